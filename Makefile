@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Both build .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.rackmend-installed
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch is pinned here (not in pyproject) so a fresh venv takes the CPU wheel this
+# machine carries instead of resolving a multi-GB CUDA build; users keep torch>=2.4.
+$(STAMP): $(PY) pyproject.toml
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rackmend demo
+
+# pytest exits 5 when it collects nothing; that counts as a failure here too.
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/merge.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,38 @@
+"""rackmend: train one PyTorch model across racks joined by slow, unreliable links.
+
+Learners train with plain PyTorch and every few steps trade parameter fragments
+with a syncer that merges whatever arrived (Decoupled DiLoCo). Layout:
+
+- ``rackmend.core``: sans-I/O algorithm (fragments, merge, syncer state machine)
+- ``rackmend.learner``: the optimizer wrapper used in a training loop
+- ``rackmend.transport``: carriers between learners and syncer
+- ``rackmend.workloads``: a small byte-level GPT and a built-in corpus for demos/tests
+- ``rackmend.demo`` / ``rackmend.cli``: the ``rackmend`` command
+"""
+
+from rackmend.config import (
+    ConfigError,
+    LearnerConfig,
+    RackmendConfig,
+    ScheduleConfig,
+    SyncerConfig,
+)
+from rackmend.core import FragmentSpec, SyncerCore, pack_fragments
+from rackmend.learner import RackmendOptimizer
+from rackmend.transport import InProcessSyncer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "LearnerConfig",
+    "RackmendConfig",
+    "ScheduleConfig",
+    "SyncerConfig",
+    "FragmentSpec",
+    "SyncerCore",
+    "pack_fragments",
+    "RackmendOptimizer",
+    "InProcessSyncer",
+    "__version__",
+]

@@ -1,0 +1,234 @@
+"""Configuration: kw-only dataclasses shared by the learner, the syncer and the CLI.
+
+Every field carries a docstring; ``validate()`` (run from ``__post_init__``) rejects a
+bad value with a message naming the field and saying what to change. Nothing here
+touches tensors, sockets or clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ConfigError",
+    "ScheduleConfig",
+    "SyncerConfig",
+    "LearnerConfig",
+    "RackmendConfig",
+    "WEIGHTINGS",
+    "MERGES",
+    "APPLY_RULES",
+    "PACKINGS",
+    "ANCHORINGS",
+]
+
+WEIGHTINGS = ("tokens_sq_per_step", "tokens", "uniform")
+MERGES = ("mean", "rda")
+APPLY_RULES = ("overwrite", "mix", "keep_local")
+PACKINGS = ("balanced", "strided")
+ANCHORINGS = ("learner_base", "syncer")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{name}={value!r} is not known; use one of {', '.join(allowed)}")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """When fragments leave a learner: the sync period, the fragment count, the overlap."""
+
+    sync_every: int = 24
+    """H: inner steps between two syncs of the same fragment. H=1 syncs every step."""
+
+    num_fragments: int = 24
+    """P: how many fragments the parameters are split into. P=1 is classic DiLoCo.
+    Fragment offsets are spread over [0, H) so at most ceil(P/H) leave per step."""
+
+    overlap: int = 2
+    """tau: inner steps a learner keeps computing between sending a fragment and
+    applying the merged value. 0 applies at once (blocking in deterministic mode).
+    Must be < sync_every."""
+
+    packing: str = "balanced"
+    """How tensors go into fragments: ``balanced`` (greedy bin-packing of whole
+    tensors by bytes) or ``strided`` (block i of the model's repeated block list
+    goes to fragment i mod P; other tensors fill the lightest fragment)."""
+
+    def validate(self) -> None:
+        _check(self.sync_every >= 1, f"sync_every (H) must be >= 1, got {self.sync_every}")
+        _check(self.num_fragments >= 1, f"num_fragments (P) must be >= 1, got {self.num_fragments}")
+        _check(self.overlap >= 0, f"overlap (tau) must be >= 0, got {self.overlap}")
+        _check(
+            self.overlap < self.sync_every,
+            f"overlap (tau)={self.overlap} must be smaller than sync_every (H)={self.sync_every}: "
+            "a fragment's merged value must land before the fragment is due again; "
+            "lower overlap or raise sync_every",
+        )
+        _one_of("packing", self.packing, PACKINGS)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+
+@dataclass(kw_only=True)
+class SyncerConfig:
+    """How the syncer decides when a round ends, how it merges and how it steps."""
+
+    min_quorum: int = 1
+    """K: contributions (from distinct learners) a round needs before it can end."""
+
+    learners: tuple[str, ...] = ()
+    """The expected roster, if known in advance. Rounds end early once every expected,
+    healthy learner is in. Empty: every learner that joins is expected."""
+
+    grace_max: float = 2.0
+    """Upper bound in seconds on the grace window after quorum, and the window used
+    before any step-time estimate exists. Too large: rounds wait for dead learners
+    that long before their first estimate. Too small: stragglers always miss."""
+
+    grace_gamma: float = 0.8
+    """gamma in (0, 1]: the share of the overlap slack (tau * step time - quorum time -
+    sync time) spent waiting for stragglers. Below 1 so noise in the estimates does not
+    make learners stall."""
+
+    ema_decay: float = 0.8
+    """Weight of the old value in the moving averages of step, quorum and sync times
+    (0 = only the newest sample counts)."""
+
+    weighting: str = "tokens_sq_per_step"
+    """Contribution weight: ``tokens_sq_per_step`` (c_tokens**2 / c_steps: more work and
+    faster work weigh more), ``tokens`` (c_tokens) or ``uniform``."""
+
+    merge: str = "mean"
+    """``mean`` (weighted average of outer gradients) or ``rda`` (radial-directional:
+    weighted mean norm times the direction of the weighted mean of unit vectors,
+    per tensor; embedding tensors always use mean)."""
+
+    outer_optimizer: str = "SGD"
+    """Name of a ``torch.optim`` optimizer class run on the syncer's copy of each
+    fragment, with the merged outer gradient as ``.grad``."""
+
+    outer_lr: float = 0.7
+    """Learning rate of the outer optimizer (DiLoCo: 0.7 with Nesterov SGD)."""
+
+    outer_kwargs: dict[str, Any] = field(default_factory=lambda: {"momentum": 0.9, "nesterov": True})
+    """Extra keyword arguments for the outer optimizer's constructor."""
+
+    anchoring: str = "learner_base"
+    """A stale contribution (based on an older version) is applied as is
+    (``learner_base``) or re-anchored on the current value (``syncer``:
+    delta + theta_now - theta_base; keeps the last ``max_staleness`` versions)."""
+
+    max_staleness: int = 4
+    """Contributions more than this many versions behind are dropped (logged)."""
+
+    def validate(self) -> None:
+        _check(self.min_quorum >= 1, f"min_quorum (K) must be >= 1, got {self.min_quorum}")
+        _check(
+            len(set(self.learners)) == len(self.learners),
+            f"learners lists a learner id twice: {list(self.learners)}",
+        )
+        if self.learners:
+            _check(
+                self.min_quorum <= len(self.learners),
+                f"min_quorum (K)={self.min_quorum} is larger than the {len(self.learners)} expected "
+                "learners: no round could ever end; lower min_quorum or list more learners",
+            )
+        _check(self.grace_max >= 0, f"grace_max must be >= 0 seconds, got {self.grace_max}")
+        _check(
+            0 < self.grace_gamma <= 1,
+            f"grace_gamma must lie in (0, 1], got {self.grace_gamma}; 0.8 is a safe choice",
+        )
+        _check(0 <= self.ema_decay < 1, f"ema_decay must lie in [0, 1), got {self.ema_decay}")
+        _one_of("weighting", self.weighting, WEIGHTINGS)
+        _one_of("merge", self.merge, MERGES)
+        _one_of("anchoring", self.anchoring, ANCHORINGS)
+        _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        cls = getattr(torch.optim, self.outer_optimizer, None)
+        _check(
+            isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer),
+            f"outer_optimizer={self.outer_optimizer!r} is not a torch.optim optimizer class; "
+            "use e.g. 'SGD', 'Adam' or 'AdamW'",
+        )
+        _check(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
+
+    def __post_init__(self) -> None:
+        self.learners = tuple(self.learners)
+        self.validate()
+
+    def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The outer optimizer for one fragment's tensors."""
+        cls = getattr(torch.optim, self.outer_optimizer)
+        try:
+            return cls(params, lr=self.outer_lr, **self.outer_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"outer_kwargs={self.outer_kwargs!r} do not fit torch.optim.{self.outer_optimizer}: {exc}"
+            ) from exc
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    """How a learner applies merged values it receives."""
+
+    apply: str = "overwrite"
+    """``overwrite`` (theta <- merged), ``mix`` (theta <- alpha*theta + (1-alpha)*merged)
+    or ``keep_local`` (theta <- merged + progress made since the send)."""
+
+    mix_alpha: float = 0.5
+    """alpha of the ``mix`` rule: the share of the local value kept."""
+
+    wait_timeout: float = 600.0
+    """Seconds a blocking wait (join, deterministic mode) may take before it fails with
+    an error instead of hanging. Raise it when one merge legitimately takes longer."""
+
+    def validate(self) -> None:
+        _one_of("apply", self.apply, APPLY_RULES)
+        _check(0 <= self.mix_alpha <= 1, f"mix_alpha must lie in [0, 1], got {self.mix_alpha}")
+        _check(self.wait_timeout > 0, f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+
+@dataclass(kw_only=True)
+class RackmendConfig:
+    """Everything a rackmend run needs; learner and syncer must use equal values."""
+
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Sync period, fragments and overlap."""
+
+    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    """Quorum, grace, weighting, merge and outer optimizer."""
+
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """How merged values are applied on the learner."""
+
+    deterministic: bool = False
+    """Bit-for-bit reproducible runs: every learner blocks at t_send + tau until the
+    merged value is there, and every round waits for the whole roster (no grace timing).
+    Slower by design; for tests and debugging."""
+
+    def validate(self) -> None:
+        for name in ("schedule", "syncer", "learner"):
+            getattr(self, name).validate()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def replace(self, **changes: Any) -> "RackmendConfig":
+        """A copy with top-level fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,54 @@
+"""The sans-I/O core: fragments and schedule, merge math, the syncer state machine.
+
+Nothing in this package reads a clock, sleeps, starts a thread or touches a socket;
+time comes in as ``now`` arguments. Transports and simulators drive it.
+"""
+
+from rackmend.core.fragments import (
+    FragmentSpec,
+    TensorSpec,
+    fingerprint,
+    fragment_offsets,
+    fragments_due,
+    pack_fragments,
+)
+from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
+from rackmend.core.messages import Contribution, Update
+from rackmend.core.syncer import (
+    Action,
+    ContributionArrived,
+    Event,
+    ExpectationChanged,
+    LearnerJoined,
+    LearnerLeft,
+    LogRecord,
+    SendUpdate,
+    SyncerCore,
+    SyncTimed,
+    Tick,
+)
+
+__all__ = [
+    "FragmentSpec",
+    "TensorSpec",
+    "fingerprint",
+    "fragment_offsets",
+    "fragments_due",
+    "pack_fragments",
+    "contribution_weight",
+    "merge_deltas",
+    "normalized_weights",
+    "Contribution",
+    "Update",
+    "Action",
+    "ContributionArrived",
+    "Event",
+    "ExpectationChanged",
+    "LearnerJoined",
+    "LearnerLeft",
+    "LogRecord",
+    "SendUpdate",
+    "SyncerCore",
+    "SyncTimed",
+    "Tick",
+]

@@ -1,0 +1,92 @@
+"""Contribution weights and the merge of outer gradients (mean and radial-directional).
+
+Inputs arrive already in canonical order (sorted learner id); sums accumulate in
+float64 so the result does not depend on arrival order or on fp32 rounding of
+partial sums. No state, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rackmend.config import ConfigError, MERGES, WEIGHTINGS
+
+__all__ = ["contribution_weight", "normalized_weights", "merge_deltas", "ACC_DTYPE"]
+
+ACC_DTYPE = torch.float64
+"""Accumulation dtype of every merge sum."""
+
+
+def contribution_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
+    """w_m for one contribution: ``tokens_sq_per_step`` = tokens**2/steps, ``tokens``, ``uniform``."""
+    if weighting == "tokens_sq_per_step":
+        if c_steps <= 0:
+            return 0.0
+        return float(c_tokens) * float(c_tokens) / float(c_steps)
+    if weighting == "tokens":
+        return float(c_tokens)
+    if weighting == "uniform":
+        return 1.0
+    raise ConfigError(f"weighting={weighting!r} is not known; use one of {', '.join(WEIGHTINGS)}")
+
+
+def normalized_weights(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their sum; all-zero weights fall back to uniform."""
+    total = 0.0
+    for w in weights:
+        total += w
+    if total <= 0.0:
+        return [1.0 / len(weights)] * len(weights)
+    return [w / total for w in weights]
+
+
+def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    acc = torch.zeros(tensors[0].shape, dtype=ACC_DTYPE, device=tensors[0].device)
+    for t, w in zip(tensors, weights):
+        acc.add_(t, alpha=w)
+    return acc
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = x / ||x||, with phi(0) = 0 (never NaN)."""
+    n = torch.linalg.vector_norm(x, dtype=ACC_DTYPE)
+    if n.item() == 0.0:
+        return torch.zeros_like(x, dtype=ACC_DTYPE)
+    return x.to(ACC_DTYPE) / n
+
+
+def merge_deltas(
+    deltas: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    method: str = "mean",
+    embedding: Sequence[bool] | None = None,
+) -> list[torch.Tensor]:
+    """Merge per-learner outer gradients into one, tensor by tensor.
+
+    ``deltas[m][i]`` is learner m's gradient for tensor i; ``weights[m]`` its raw
+    weight. ``mean``: sum_m w_m d_m / sum_m w_m. ``rda``: (weighted mean of norms) *
+    phi(weighted mean of phi(d_m)); tensors flagged in ``embedding`` use mean.
+    Returns tensors in the input dtype.
+    """
+    if method not in MERGES:
+        raise ConfigError(f"merge={method!r} is not known; use one of {', '.join(MERGES)}")
+    if not deltas:
+        raise ValueError("merge_deltas needs at least one contribution")
+    w = normalized_weights(weights)
+    n_tensors = len(deltas[0])
+    embedding = embedding or [False] * n_tensors
+    out: list[torch.Tensor] = []
+    for i in range(n_tensors):
+        column = [d[i] for d in deltas]
+        dtype = column[0].dtype
+        if method == "mean" or embedding[i]:
+            out.append(_weighted_sum(column, w).to(dtype))
+            continue
+        radius = 0.0
+        for t, wm in zip(column, w):
+            radius += wm * torch.linalg.vector_norm(t, dtype=ACC_DTYPE).item()
+        direction = _unit(_weighted_sum([_unit(t) for t in column], w))
+        out.append(direction.mul_(radius).to(dtype))
+    return out

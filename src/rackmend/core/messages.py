@@ -1,0 +1,43 @@
+"""The values that cross between a learner and the syncer, independent of transport.
+
+These are plain dataclasses; transports (in-process queues, ZeroMQ) carry them and
+the sans-I/O cores consume and produce them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Contribution", "Update"]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A learner's outer gradient for one fragment, with the work behind it."""
+
+    learner_id: str
+    fragment: int
+    base_version: int
+    """Version of the global fragment value the gradient was computed against."""
+    step: int
+    """The learner's inner-step count when it sent (newer supersedes older)."""
+    c_steps: int
+    """Inner steps since the learner last received this fragment."""
+    c_tokens: float
+    """Tokens trained on since the learner last received this fragment."""
+    step_time: float
+    """Mean seconds per inner step over those steps (0 when unknown)."""
+    tensors: tuple[torch.Tensor, ...]
+    """Delta = global - local, one tensor per fragment tensor, on the host."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """A new global value of one fragment, sent by the syncer."""
+
+    fragment: int
+    version: int
+    tensors: tuple[torch.Tensor, ...]
+    """Full values; receivers must not modify them (they may be shared)."""

@@ -1,0 +1,380 @@
+"""The syncer's round logic as a sans-I/O state machine.
+
+Feed it events with the current time (``core.handle(event, now)``); it returns
+actions (send this fragment value to these learners, log this record). It never
+reads a clock, sleeps, opens a socket or starts a thread, so the same object runs
+in-process for tests, behind the ZeroMQ service, or inside a discrete-event
+simulator. A driver must call ``handle(Tick(), now)`` once ``now`` reaches
+``next_deadline()``.
+
+Per fragment, independently: wait for ``min_quorum`` contributions, then for the
+adaptive grace window (or until every expected, healthy learner is in), merge in
+canonical order, run the outer optimizer on the syncer's own copy, bump the
+version and send the new value to every connected learner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+
+from rackmend.config import RackmendConfig
+from rackmend.core.fragments import FragmentSpec
+from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
+from rackmend.core.messages import Contribution, Update
+
+__all__ = [
+    "SyncerCore",
+    "LearnerJoined",
+    "LearnerLeft",
+    "ExpectationChanged",
+    "ContributionArrived",
+    "SyncTimed",
+    "Tick",
+    "SendUpdate",
+    "LogRecord",
+    "Event",
+    "Action",
+    "Ema",
+]
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class LearnerJoined:
+    """A learner connected (first time or again); it is sent every fragment's value."""
+
+    learner_id: str
+
+
+@dataclass(frozen=True)
+class LearnerLeft:
+    """A learner left or was declared gone; rounds stop waiting for it at once."""
+
+    learner_id: str
+    reason: str = "leave"
+
+
+@dataclass(frozen=True)
+class ExpectationChanged:
+    """Start or stop counting a connected learner as expected (slow, silent, back)."""
+
+    learner_id: str
+    expected: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ContributionArrived:
+    """A learner's outer gradient for one fragment."""
+
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class SyncTimed:
+    """The driver measured how long merging and sending a fragment took."""
+
+    fragment: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; lets grace windows expire."""
+
+
+Event = Union[LearnerJoined, LearnerLeft, ExpectationChanged, ContributionArrived, SyncTimed, Tick]
+
+
+# ---------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class SendUpdate:
+    """Send ``update`` to each learner in ``to``."""
+
+    update: Update
+    to: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One structured event for the JSONL log (``record['event']`` names it)."""
+
+    record: dict
+
+
+Action = Union[SendUpdate, LogRecord]
+
+
+class Ema:
+    """Exponential moving average; ``value`` is None until the first sample."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+@dataclass
+class _Member:
+    connected: bool
+    expected: bool
+
+
+@dataclass
+class _Round:
+    pending: dict[str, Contribution] = field(default_factory=dict)
+    first_arrival: float | None = None
+    quorum_at: float | None = None
+    deadline: float | None = None
+
+
+class SyncerCore:
+    """Per-fragment quorum, grace, merge and outer step. See the module docstring."""
+
+    def __init__(
+        self,
+        config: RackmendConfig,
+        fragments: Sequence[FragmentSpec],
+        initial: Sequence[Sequence[torch.Tensor]],
+    ) -> None:
+        if len(initial) != len(fragments):
+            raise ValueError(f"initial has {len(initial)} fragments, the layout has {len(fragments)}")
+        self.config = config
+        self.fragments = list(fragments)
+        sc = config.syncer
+        self.theta: list[list[torch.Tensor]] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for spec, values in zip(self.fragments, initial):
+            self._check_tensors(spec, values)
+            tensors = [v.detach().to("cpu", copy=True) for v in values]
+            self.theta.append(tensors)
+            self.optimizers.append(sc.build_outer_optimizer(tensors))
+        self.versions = [0] * len(self.fragments)
+        self.rounds = [_Round() for _ in self.fragments]
+        self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in self.fragments]
+        self.current: list[Update] = [self._snapshot(p) for p in range(len(self.fragments))]
+        self.members: dict[str, _Member] = {
+            lid: _Member(connected=False, expected=True) for lid in sc.learners
+        }
+        self.xi_step = Ema(sc.ema_decay)
+        self.xi_quorum = Ema(sc.ema_decay)
+        self.xi_sync = Ema(sc.ema_decay)
+        self.rejected = 0
+        if sc.anchoring == "syncer":
+            for p in range(len(self.fragments)):
+                self.history[p][0] = [t.clone() for t in self.theta[p]]
+
+    # ------------------------------------------------------------------ public API
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event at time ``now`` (seconds, any monotonic origin)."""
+        actions: list[Action] = []
+        if isinstance(event, ContributionArrived):
+            p = self._accept(event.contribution, now, actions)
+            if p is not None:
+                self._maybe_close(p, now, actions)
+        elif isinstance(event, Tick):
+            self._close_all_due(now, actions)
+        elif isinstance(event, LearnerJoined):
+            self._join(event.learner_id, now, actions)
+        elif isinstance(event, LearnerLeft):
+            m = self.members.get(event.learner_id)
+            if m is not None:
+                m.connected, m.expected = False, False
+                actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
+            self._close_all_due(now, actions)
+        elif isinstance(event, ExpectationChanged):
+            m = self.members.get(event.learner_id)
+            if m is not None and m.expected != event.expected:
+                m.expected = event.expected
+                actions.append(
+                    self._log(now, "expected", learner=event.learner_id, expected=event.expected, reason=event.reason)
+                )
+            self._close_all_due(now, actions)
+        elif isinstance(event, SyncTimed):
+            self.xi_sync.add(max(0.0, event.seconds))
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a grace window expires, or None when nothing waits on time."""
+        deadlines = [r.deadline for r in self.rounds if r.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    def grace(self) -> float:
+        """clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_max)."""
+        sc = self.config.syncer
+        if self.xi_step.value is None:
+            return sc.grace_max
+        slack = (
+            self.config.schedule.overlap * self.xi_step.value
+            - (self.xi_quorum.value or 0.0)
+            - (self.xi_sync.value or 0.0)
+        )
+        return min(max(sc.grace_gamma * slack, 0.0), sc.grace_max)
+
+    def expected_learners(self) -> set[str]:
+        """Learners a round waits for before ending early."""
+        if self.config.deterministic:
+            return {lid for lid, m in self.members.items() if m.expected}
+        return {lid for lid, m in self.members.items() if m.expected and m.connected}
+
+    def connected_learners(self) -> tuple[str, ...]:
+        return tuple(sorted(lid for lid, m in self.members.items() if m.connected))
+
+    # ------------------------------------------------------------------ internals
+    def _log(self, now: float, event: str, **fields: object) -> LogRecord:
+        return LogRecord({"event": event, "t": now, **fields})
+
+    def _snapshot(self, p: int) -> Update:
+        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]))
+
+    @staticmethod
+    def _check_tensors(spec: FragmentSpec, tensors: Sequence[torch.Tensor]) -> str | None:
+        if len(tensors) != len(spec.tensors):
+            return f"fragment {spec.index} has {len(spec.tensors)} tensors, got {len(tensors)}"
+        for t, s in zip(tensors, spec.tensors):
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                return f"{s.name}: expected {s.dtype} {list(s.shape)}, got {t.dtype} {list(t.shape)}"
+        return None
+
+    def _join(self, lid: str, now: float, actions: list[Action]) -> None:
+        m = self.members.setdefault(lid, _Member(connected=True, expected=True))
+        m.connected, m.expected = True, True
+        actions.append(self._log(now, "join", learner=lid))
+        for upd in self.current:
+            actions.append(SendUpdate(upd, (lid,)))
+
+    def _reject(self, c: Contribution, now: float, reason: str, actions: list[Action]) -> None:
+        self.rejected += 1
+        actions.append(
+            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, reason=reason)
+        )
+
+    def _accept(self, c: Contribution, now: float, actions: list[Action]) -> int | None:
+        p = c.fragment
+        if not 0 <= p < len(self.fragments):
+            self._reject(c, now, f"unknown fragment {p}", actions)
+            return None
+        if c.learner_id not in self.members or not self.members[c.learner_id].connected:
+            self._reject(c, now, "learner has not joined", actions)
+            return None
+        problem = self._check_tensors(self.fragments[p], c.tensors)
+        if problem:
+            self._reject(c, now, problem, actions)
+            return None
+        if c.c_steps < 0 or c.c_tokens < 0 or not c.step_time >= 0:
+            self._reject(c, now, "negative or NaN counters", actions)
+            return None
+        version = self.versions[p]
+        if c.base_version > version:
+            self._reject(c, now, f"base version {c.base_version} is ahead of the syncer's {version}", actions)
+            return None
+        if version - c.base_version > self.config.syncer.max_staleness:
+            self._reject(
+                c, now, f"stale: base version {c.base_version}, current {version}, "
+                f"max_staleness {self.config.syncer.max_staleness}", actions,
+            )
+            return None
+        if not all(bool(torch.isfinite(t).all()) for t in c.tensors):
+            self._reject(c, now, "non-finite values (NaN or Inf)", actions)
+            return None
+        rnd = self.rounds[p]
+        old = rnd.pending.get(c.learner_id)
+        if old is not None and old.step >= c.step:
+            actions.append(self._log(now, "superseded", learner=c.learner_id, fragment=p, step=c.step))
+            return p
+        rnd.pending[c.learner_id] = c
+        if rnd.first_arrival is None:
+            rnd.first_arrival = now
+        if c.step_time > 0:
+            self.xi_step.add(c.step_time)
+        return p
+
+    def _close_all_due(self, now: float, actions: list[Action]) -> None:
+        for p in range(len(self.fragments)):
+            self._maybe_close(p, now, actions)
+
+    def _maybe_close(self, p: int, now: float, actions: list[Action]) -> None:
+        rnd = self.rounds[p]
+        if not rnd.pending:
+            return
+        expected = self.expected_learners()
+        all_in = bool(expected) and expected <= rnd.pending.keys()
+        if self.config.deterministic:
+            if all_in:
+                self._merge(p, now, actions)
+            return
+        if len(rnd.pending) < self.config.syncer.min_quorum:
+            return
+        if rnd.quorum_at is None:
+            rnd.quorum_at = now
+            assert rnd.first_arrival is not None
+            self.xi_quorum.add(now - rnd.first_arrival)
+            rnd.deadline = now + self.grace()
+        assert rnd.deadline is not None
+        if all_in or now >= rnd.deadline:
+            self._merge(p, now, actions)
+
+    def _anchored(self, p: int, c: Contribution) -> list[torch.Tensor]:
+        version = self.versions[p]
+        if self.config.syncer.anchoring != "syncer" or c.base_version == version:
+            return list(c.tensors)
+        base = self.history[p][c.base_version]
+        return [d + (cur - b) for d, cur, b in zip(c.tensors, self.theta[p], base)]
+
+    def _merge(self, p: int, now: float, actions: list[Action]) -> None:
+        sc = self.config.syncer
+        rnd = self.rounds[p]
+        ids = sorted(rnd.pending)
+        contribs = [rnd.pending[i] for i in ids]
+        raw = [contribution_weight(sc.weighting, c.c_tokens, c.c_steps) for c in contribs]
+        spec = self.fragments[p]
+        merged = merge_deltas(
+            [self._anchored(p, c) for c in contribs],
+            raw,
+            sc.merge,
+            [t.is_embedding for t in spec.tensors],
+        )
+        opt = self.optimizers[p]
+        for theta, g in zip(self.theta[p], merged):
+            theta.grad = g
+        opt.step()
+        for theta in self.theta[p]:
+            theta.grad = None
+        round_index = self.versions[p]
+        self.versions[p] += 1
+        version = self.versions[p]
+        if sc.anchoring == "syncer":
+            hist = self.history[p]
+            hist[version] = [t.clone() for t in self.theta[p]]
+            for v in [v for v in hist if v < version - sc.max_staleness]:
+                del hist[v]
+        self.current[p] = self._snapshot(p)
+        expected = self.expected_learners()
+        to = self.connected_learners()
+        actions.append(SendUpdate(self.current[p], to))
+        actions.append(
+            self._log(
+                now,
+                "merge",
+                fragment=p,
+                round=round_index,
+                version=version,
+                merged=ids,
+                absent=sorted(expected - set(ids)),
+                stale=[c.learner_id for c in contribs if c.base_version < round_index],
+                weights=dict(zip(ids, normalized_weights(raw))),
+                quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - (rnd.first_arrival or now),
+                wait_s=now - (rnd.first_arrival or now),
+                grace_s=None if rnd.deadline is None else rnd.deadline - (rnd.quorum_at or now),
+                bytes_in=spec.nbytes * len(contribs),
+                bytes_out=spec.nbytes * len(to),
+            )
+        )
+        self.rounds[p] = _Round()

@@ -1,0 +1,202 @@
+"""In-process transport: the syncer core on a thread, learners talk to it through queues.
+
+For tests, notebooks and the single-process demo. The learner and syncer code is the
+same that runs behind the network service; only the carrier differs. Tensors are
+passed by reference (nobody mutates a sent tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from rackmend.config import RackmendConfig
+from rackmend.core.fragments import FragmentSpec
+from rackmend.core.messages import Contribution, Update
+from rackmend.core.syncer import (
+    ContributionArrived,
+    Event,
+    LearnerJoined,
+    LearnerLeft,
+    LogRecord,
+    SendUpdate,
+    SyncerCore,
+    SyncTimed,
+    Tick,
+)
+from rackmend.transport.base import TransportError
+
+__all__ = ["InProcessSyncer", "InProcessLink"]
+
+_POLL = 0.05  # seconds; upper bound on how late a stop request or grace expiry is seen
+
+
+class InProcessSyncer:
+    """Runs a ``SyncerCore`` on a background thread. Use as a context manager."""
+
+    def __init__(
+        self,
+        config: RackmendConfig,
+        fragments: Sequence[FragmentSpec],
+        initial: Sequence[Sequence[torch.Tensor]],
+        *,
+        log_path: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.core = SyncerCore(config, fragments, initial)
+        self.clock = clock
+        self.events: list[dict] = []
+        """Every logged record, in order (also written to ``log_path`` as JSONL)."""
+        self._log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+        self._inbox: "queue.Queue[Event | None]" = queue.Queue()
+        self._outboxes: dict[str, "queue.Queue[Update]"] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rackmend-syncer", daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    def connect(self) -> "InProcessLink":
+        """A new link for one learner."""
+        return InProcessLink(self)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+        if self._error is not None:
+            raise RuntimeError("the in-process syncer thread failed") from self._error
+
+    def __enter__(self) -> "InProcessSyncer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def merges(self) -> list[dict]:
+        return [e for e in self.events if e["event"] == "merge"]
+
+    # ------------------------------------------------------------------ internals
+    def _register(self, learner_id: str) -> "queue.Queue[Update]":
+        with self._lock:
+            box: "queue.Queue[Update]" = queue.Queue()
+            self._outboxes[learner_id] = box
+            return box
+
+    def _post(self, event: Event) -> None:
+        if not self._thread.is_alive():
+            raise TransportError("the in-process syncer is not running")
+        self._inbox.put(event)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                deadline = self.core.next_deadline()
+                wait = _POLL if deadline is None else min(_POLL, max(0.0, deadline - self.clock()))
+                try:
+                    event = self._inbox.get(timeout=wait)
+                except queue.Empty:
+                    event = Tick()
+                if event is None:
+                    return
+                self._dispatch(event)
+        except BaseException as exc:  # surfaced by close() and by learners' waits
+            self._error = exc
+
+    def _dispatch(self, event: Event) -> None:
+        t0 = self.clock()
+        actions = self.core.handle(event, t0)
+        merged: list[int] = []
+        for action in actions:
+            if isinstance(action, SendUpdate):
+                with self._lock:
+                    for lid in action.to:
+                        box = self._outboxes.get(lid)
+                        if box is not None:
+                            box.put(action.update)
+            elif isinstance(action, LogRecord):
+                self.events.append(action.record)
+                if self._log_file:
+                    self._log_file.write(json.dumps(action.record) + "\n")
+                if action.record["event"] == "merge":
+                    merged.append(action.record["fragment"])
+        if merged:
+            if self._log_file:
+                self._log_file.flush()
+            seconds = (self.clock() - t0) / len(merged)
+            for p in merged:
+                self.core.handle(SyncTimed(p, seconds), self.clock())
+
+
+class InProcessLink:
+    """One learner's end of an ``InProcessSyncer``."""
+
+    def __init__(self, hub: InProcessSyncer) -> None:
+        self._hub = hub
+        self._box: "queue.Queue[Update] | None" = None
+        self._held_back: list[Update] = []
+        self.learner_id: str | None = None
+
+    def join(self, learner_id: str, timeout: float) -> list[Update]:
+        self.learner_id = learner_id
+        self._box = self._hub._register(learner_id)
+        self._hub._post(LearnerJoined(learner_id))
+        n = len(self._hub.core.fragments)
+        got: dict[int, Update] = {}
+        end = time.monotonic() + timeout
+        while len(got) < n:
+            upd = self._get(end)
+            if upd is None:
+                raise TransportError(f"join of {learner_id}: no answer from the syncer within {timeout}s")
+            got[upd.fragment] = upd
+        return list(got.values())
+
+    def send(self, contribution: Contribution) -> None:
+        self._hub._post(ContributionArrived(contribution))
+
+    def poll(self) -> list[Update]:
+        out, self._held_back = self._held_back, []
+        assert self._box is not None, "join() first"
+        while True:
+            try:
+                out.append(self._box.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
+        end = time.monotonic() + timeout
+        for i, upd in enumerate(self._held_back):
+            if upd.fragment == fragment and upd.version > after_version:
+                return self._held_back.pop(i)
+        while True:
+            upd = self._get(end)
+            if upd is None:
+                return None
+            if upd.fragment == fragment and upd.version > after_version:
+                return upd
+            self._held_back.append(upd)
+
+    def leave(self) -> None:
+        if self.learner_id is not None and self._hub._thread.is_alive():
+            self._hub._post(LearnerLeft(self.learner_id))
+        self.learner_id = None
+
+    def _get(self, end: float) -> Update | None:
+        assert self._box is not None
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return None
+            if self._hub._error is not None:
+                raise TransportError("the in-process syncer thread failed") from self._hub._error
+            try:
+                return self._box.get(timeout=min(remaining, _POLL))
+            except queue.Empty:
+                continue

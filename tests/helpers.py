@@ -1,0 +1,93 @@
+"""Shared pieces of the test suite: a tiny language model, its data, an in-process run."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
+from rackmend.core.fragments import pack_fragments
+
+VOCAB = 17
+
+
+class TinyLM(nn.Module):
+    """Embedding -> MLP -> logits: enough tensors (incl. an embedding) for P=4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 12), nn.Linear(12, 8)])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = self.blocks[1](torch.tanh(self.blocks[0](h)))
+        return F.cross_entropy(self.head(self.norm(h)).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def make_inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def batch(lid: str, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Deterministic per (learner, step); learners differ in batch size so weights differ."""
+    idx = int(lid.lstrip("l") or 0)
+    g = torch.Generator().manual_seed(1000 * idx + step)
+    bs = 2 + idx
+    x = torch.randint(0, VOCAB, (bs, 6), generator=g)
+    return x, (x * 3 + 1) % VOCAB, bs * 6
+
+
+def run_inprocess(
+    config: RackmendConfig,
+    learner_ids: list[str],
+    steps: int,
+    *,
+    model_fn: Callable[[], nn.Module] = make_model,
+    timeout: float = 60.0,
+) -> tuple[dict[str, nn.Module], InProcessSyncer]:
+    """M learner threads + an in-process syncer, each learner stepping ``steps`` times."""
+    init = model_fn()
+    sch = config.schedule
+    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
+    named = dict(init.named_parameters())
+    hub = InProcessSyncer(config, frags, [[named[n].detach() for n in f.names] for f in frags])
+    models = {lid: model_fn() for lid in learner_ids}
+    errors: list[BaseException] = []
+
+    def learner(lid: str) -> None:
+        try:
+            model = models[lid]
+            opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id=lid)
+            for t in range(1, steps + 1):
+                x, y, tokens = batch(lid, t)
+                loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step(tokens=tokens)
+            opt.close()
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(lid,)) for lid in learner_ids]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    alive = [th.name for th in threads if th.is_alive()]
+    hub.close()
+    if errors:
+        raise errors[0]
+    assert not alive, f"learner threads still running after {timeout}s: {alive}"
+    return models, hub

@@ -1,0 +1,114 @@
+"""A deliberately plain single-process rendering of the equations, used only by tests.
+
+M models step one after another in a loop; every fragment round waits for all
+learners (quorum = all, canonical learner order); there are no threads, queues,
+events or timing. The weight and merge arithmetic is ``rackmend.core.merge``
+(checked on its own against the independent vectors in ``data/merge_rounds.json``);
+schedule, counters, outer gradients, the outer step and the apply rules are written
+out again here from the design, so the distributed run is checked against them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from rackmend.config import RackmendConfig
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.merge import contribution_weight, merge_deltas
+
+BatchFn = Callable[[str, int], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+@dataclass
+class _Learner:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    held: list[list[torch.Tensor]]
+    c_steps: list[int]
+    c_tokens: list[float]
+    sent: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor], int, float]] = field(default_factory=dict)
+
+
+def reference_run(
+    make_model: Callable[[], nn.Module],
+    make_inner: Callable[[nn.Module], torch.optim.Optimizer],
+    batch: BatchFn,
+    config: RackmendConfig,
+    learner_ids: list[str],
+    steps: int,
+) -> tuple[dict[str, nn.Module], list[list[torch.Tensor]]]:
+    """Returns each learner's final model and the global value of every fragment."""
+    sch, sc, lc = config.schedule, config.syncer, config.learner
+    init = make_model()
+    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
+    params = lambda m, f: [dict(m.named_parameters())[n] for n in f.names]  # noqa: E731
+    theta = [[p.detach().clone() for p in params(init, f)] for f in frags]
+    outer = [getattr(torch.optim, sc.outer_optimizer)(t, lr=sc.outer_lr, **sc.outer_kwargs) for t in theta]
+    learners: dict[str, _Learner] = {}
+    for lid in sorted(learner_ids):
+        model = copy.deepcopy(init)
+        learners[lid] = _Learner(
+            model, make_inner(model), [[t.clone() for t in th] for th in theta],
+            [0] * len(frags), [0.0] * len(frags),
+        )
+
+    def merge(f) -> None:
+        p = f.index
+        order = sorted(learners)
+        sent = [learners[i].sent[p] for i in order]
+        weights = [contribution_weight(sc.weighting, s[4], s[3]) for s in sent]
+        merged = merge_deltas([s[2] for s in sent], weights, sc.merge, [s.is_embedding for s in f.tensors])
+        for th, g in zip(theta[p], merged):
+            th.grad = g
+        outer[p].step()
+        for th in theta[p]:
+            th.grad = None
+
+    def apply(f) -> None:
+        p = f.index
+        for L in learners.values():
+            _, snap, _, s_steps, s_tokens = L.sent.pop(p)
+            with torch.no_grad():
+                for i, (q, value) in enumerate(zip(params(L.model, f), theta[p])):
+                    if lc.apply == "overwrite":
+                        q.copy_(value)
+                    elif lc.apply == "mix":
+                        q.mul_(lc.mix_alpha).add_(value, alpha=1 - lc.mix_alpha)
+                    else:
+                        q.copy_(value + (q - snap[i]))
+            L.held[p] = [v.clone() for v in theta[p]]
+            if lc.apply == "keep_local":
+                L.c_steps[p] -= s_steps
+                L.c_tokens[p] -= s_tokens
+            else:
+                L.c_steps[p], L.c_tokens[p] = 0, 0.0
+
+    for t in range(1, steps + 1):
+        for lid, L in learners.items():
+            x, y, tokens = batch(lid, t)
+            loss = L.model(x, y)
+            L.opt.zero_grad()
+            loss.backward()
+            L.opt.step()
+            for p in range(len(frags)):
+                L.c_steps[p] += 1
+                L.c_tokens[p] += tokens
+            for f in frags:
+                if (t - f.offset) % sch.sync_every == 0:
+                    snap = [q.detach().clone() for q in params(L.model, f)]
+                    delta = [h - s for h, s in zip(L.held[f.index], snap)]
+                    L.sent[f.index] = (t, snap, delta, L.c_steps[f.index], L.c_tokens[f.index])
+        for f in frags:
+            if all(f.index in L.sent and L.sent[f.index][0] + sch.overlap == t for L in learners.values()):
+                merge(f)
+                apply(f)
+    # Sends in the last tau steps were merged by the syncer but never applied.
+    for f in frags:
+        if all(f.index in L.sent for L in learners.values()):
+            merge(f)
+    return {lid: L.model for lid, L in learners.items()}, theta
