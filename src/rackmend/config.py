@@ -124,8 +124,9 @@ class SyncerConfig:
     outer_lr: float = 0.7
     """Learning rate of the outer optimizer (DiLoCo: 0.7 with Nesterov SGD)."""
 
-    outer_kwargs: dict[str, Any] = field(default_factory=lambda: {"momentum": 0.9, "nesterov": True})
-    """Extra keyword arguments for the outer optimizer's constructor."""
+    outer_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments for the outer optimizer's constructor. None: DiLoCo's
+    ``momentum=0.9, nesterov=True`` for SGD, torch's defaults for any other optimizer."""
 
     anchoring: str = "learner_base"
     """A stale contribution (based on an older version) is applied as is
@@ -164,19 +165,27 @@ class SyncerConfig:
             "use e.g. 'SGD', 'Adam' or 'AdamW'",
         )
         _check(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
+        self.build_outer_optimizer([torch.zeros(1)])  # surfaces bad outer_kwargs now, not at the first merge
 
     def __post_init__(self) -> None:
         self.learners = tuple(self.learners)
         self.validate()
 
+    def resolved_outer_kwargs(self) -> dict[str, Any]:
+        """``outer_kwargs`` with the documented default filled in."""
+        if self.outer_kwargs is not None:
+            return dict(self.outer_kwargs)
+        return {"momentum": 0.9, "nesterov": True} if self.outer_optimizer == "SGD" else {}
+
     def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The outer optimizer for one fragment's tensors."""
         cls = getattr(torch.optim, self.outer_optimizer)
+        kwargs = self.resolved_outer_kwargs()
         try:
-            return cls(params, lr=self.outer_lr, **self.outer_kwargs)
+            return cls(params, lr=self.outer_lr, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"outer_kwargs={self.outer_kwargs!r} do not fit torch.optim.{self.outer_optimizer}: {exc}"
+                f"outer_kwargs={kwargs!r} do not fit torch.optim.{self.outer_optimizer}: {exc}"
             ) from exc
 
 

@@ -358,6 +358,7 @@ class SyncerCore:
         self.current[p] = self._snapshot(p)
         expected = self.expected_learners()
         to = self.connected_learners()
+        first = now if rnd.first_arrival is None else rnd.first_arrival
         actions.append(SendUpdate(self.current[p], to))
         actions.append(
             self._log(
@@ -370,9 +371,9 @@ class SyncerCore:
                 absent=sorted(expected - set(ids)),
                 stale=[c.learner_id for c in contribs if c.base_version < round_index],
                 weights=dict(zip(ids, normalized_weights(raw))),
-                quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - (rnd.first_arrival or now),
-                wait_s=now - (rnd.first_arrival or now),
-                grace_s=None if rnd.deadline is None else rnd.deadline - (rnd.quorum_at or now),
+                quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
+                wait_s=now - first,
+                grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,
                 bytes_in=spec.nbytes * len(contribs),
                 bytes_out=spec.nbytes * len(to),
             )

@@ -1,0 +1,76 @@
+"""Weights and merges on hand-checkable inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rackmend.config import ConfigError
+from rackmend.core import contribution_weight, merge_deltas, normalized_weights
+
+
+def test_weight_formulas_by_hand() -> None:
+    assert contribution_weight("tokens_sq_per_step", 100, 4) == 2500.0
+    assert contribution_weight("tokens_sq_per_step", 300, 9) == 10000.0
+    assert contribution_weight("tokens", 300, 9) == 300.0
+    assert contribution_weight("uniform", 300, 9) == 1.0
+    assert contribution_weight("tokens_sq_per_step", 5, 0) == 0.0
+    with pytest.raises(ConfigError, match="weighting"):
+        contribution_weight("bogus", 1, 1)
+
+
+def test_tokens_sq_per_step_favours_faster_work() -> None:
+    # Same tokens, fewer steps (bigger batches) weighs more; more tokens weighs more.
+    assert contribution_weight("tokens_sq_per_step", 1000, 5) > contribution_weight("tokens_sq_per_step", 1000, 10)
+    assert contribution_weight("tokens_sq_per_step", 2000, 10) > contribution_weight("tokens_sq_per_step", 1000, 10)
+
+
+def test_weighted_mean_by_hand() -> None:
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 4.0])
+    (out,) = merge_deltas([[a], [b]], [3.0, 1.0], "mean")
+    torch.testing.assert_close(out, torch.tensor([0.75, 1.0]))
+    assert normalized_weights([0.0, 0.0]) == [0.5, 0.5]
+
+
+def test_rda_norm_is_weighted_mean_of_norms() -> None:
+    g = torch.Generator().manual_seed(3)
+    deltas = [[torch.randn(50, generator=g) * s] for s in (0.1, 1.0, 5.0)]
+    weights = [1.0, 2.0, 7.0]
+    (out,) = merge_deltas(deltas, weights, "rda")
+    w = normalized_weights(weights)
+    expected = sum(wi * float(d[0].norm()) for wi, d in zip(w, deltas))
+    assert math.isclose(float(out.norm()), expected, rel_tol=1e-5)
+    # ... and it points along the weighted mean of unit directions.
+    direction = sum(wi * d[0] / d[0].norm() for wi, d in zip(w, deltas))
+    cos = float(torch.dot(out, direction) / (out.norm() * direction.norm()))
+    assert cos > 1 - 1e-5
+
+
+def test_rda_zero_inputs_do_not_produce_nan() -> None:
+    z = torch.zeros(7)
+    (out,) = merge_deltas([[z], [z]], [1.0, 1.0], "rda")
+    assert torch.equal(out, z)
+    x = torch.arange(7.0)
+    (out,) = merge_deltas([[z], [x]], [1.0, 1.0], "rda")
+    assert torch.isfinite(out).all()
+    assert math.isclose(float(out.norm()), 0.5 * float(x.norm()), rel_tol=1e-5)
+    (out,) = merge_deltas([[x], [-x]], [1.0, 1.0], "rda")  # directions cancel
+    assert torch.equal(out, z)
+
+
+def test_rda_embeddings_use_mean() -> None:
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0])
+    emb, other = merge_deltas([[a, a], [b, b]], [1.0, 1.0], "rda", embedding=[True, False])
+    torch.testing.assert_close(emb, (a + b) / 2)
+    assert not torch.allclose(other, (a + b) / 2)
+
+
+def test_merge_is_order_independent_given_canonical_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    ds = [[torch.randn(1000, generator=g)] for _ in range(5)]
+    w = [1.0, 3.0, 0.5, 2.0, 9.0]
+    (a,) = merge_deltas(ds, w, "mean")
+    (b,) = merge_deltas(ds, w, "mean")
+    assert torch.equal(a, b) and a.dtype == torch.float32

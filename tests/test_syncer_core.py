@@ -1,0 +1,220 @@
+"""The sans-I/O syncer state machine, driven with a fake clock (plain numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackmend import ConfigError, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core import (
+    Contribution,
+    ContributionArrived,
+    ExpectationChanged,
+    FragmentSpec,
+    LearnerJoined,
+    LearnerLeft,
+    LogRecord,
+    SendUpdate,
+    SyncerCore,
+    TensorSpec,
+    Tick,
+)
+
+N = 4
+
+
+def make_core(learners=("a", "b", "c"), K=2, tau=2, grace_max=1.0, P=1, **syncer) -> SyncerCore:
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=8, num_fragments=P, overlap=tau),
+        syncer=SyncerConfig(min_quorum=K, learners=tuple(learners), grace_max=grace_max,
+                            outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={}, **syncer),
+    )
+    specs = [FragmentSpec(p, 0, (TensorSpec(f"w{p}", (N,), torch.float32),)) for p in range(P)]
+    core = SyncerCore(config, specs, [[torch.zeros(N)] for _ in range(P)])
+    for lid in learners:
+        core.handle(LearnerJoined(lid), 0.0)
+    return core
+
+
+def contrib(lid: str, value: float = 1.0, base: int = 0, step: int = 8, p: int = 0, step_time: float = 0.0,
+            steps: int = 8, tokens: float = 8.0) -> ContributionArrived:
+    return ContributionArrived(Contribution(lid, p, base, step, steps, tokens, step_time, (torch.full((N,), value),)))
+
+
+def merges(actions) -> list[dict]:
+    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == "merge"]
+
+
+def events(actions, name: str) -> list[dict]:
+    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == name]
+
+
+def test_quorum_then_grace_expiry() -> None:
+    core = make_core()
+    assert merges(core.handle(contrib("a"), 0.0)) == []  # 1 < K
+    assert core.next_deadline() is None
+    assert merges(core.handle(contrib("b"), 0.5)) == []  # quorum; grace (grace_max, no estimates) starts
+    assert core.next_deadline() == pytest.approx(1.5)
+    assert merges(core.handle(Tick(), 1.49)) == []
+    (m,) = merges(core.handle(Tick(), 1.5))
+    assert m["merged"] == ["a", "b"] and m["absent"] == ["c"] and m["round"] == 0
+    assert m["quorum_s"] == pytest.approx(0.5) and m["grace_s"] == pytest.approx(1.0)
+    assert core.versions[0] == 1 and core.next_deadline() is None
+    # outer SGD lr=1 without momentum: theta <- theta - mean(delta)
+    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+
+
+def test_early_finish_when_roster_complete() -> None:
+    core = make_core(learners=("a", "b"), K=1, grace_max=30.0)
+    assert merges(core.handle(contrib("a"), 0.0)) == []
+    (m,) = merges(core.handle(contrib("b"), 0.1))
+    assert m["merged"] == ["a", "b"] and m["absent"] == []
+
+
+def test_update_sent_to_every_connected_learner_including_absent() -> None:
+    core = make_core()
+    core.handle(contrib("a"), 0.0)
+    core.handle(contrib("b"), 0.0)
+    (send,) = [a for a in core.handle(Tick(), 5.0) if isinstance(a, SendUpdate)]
+    assert send.to == ("a", "b", "c") and send.update.version == 1
+
+
+def test_straggler_contribution_lands_in_next_round() -> None:
+    core = make_core()
+    core.handle(contrib("a", 1.0), 0.0)
+    core.handle(contrib("b", 1.0), 0.0)
+    assert merges(core.handle(Tick(), 1.0))[0]["merged"] == ["a", "b"]
+    # c's round-0 work arrives late, based on version 0: kept for round 1, nothing lost.
+    assert merges(core.handle(contrib("c", 4.0, base=0), 1.2)) == []
+    core.handle(contrib("a", 1.0, base=1, step=16), 2.0)
+    (m,) = merges(core.handle(contrib("b", 1.0, base=1, step=16), 2.0))
+    assert m["merged"] == ["a", "b", "c"] and m["stale"] == ["c"] and m["round"] == 1
+    # theta: -1 (round 0) then -(1+1+4)/3 = -2
+    assert torch.equal(core.theta[0][0], torch.full((N,), -3.0))
+
+
+def test_silent_learner_never_blocks_once_quorum_is_in() -> None:
+    core = make_core(K=1, grace_max=0.5)
+    for r in range(3):
+        t = 10.0 * r
+        core.handle(contrib("a", base=r, step=8 * (r + 1)), t)
+        assert core.next_deadline() == pytest.approx(t + 0.5)
+        (m,) = merges(core.handle(Tick(), t + 0.5))
+        assert m["merged"] == ["a"] and m["absent"] == ["b", "c"]
+    assert core.versions[0] == 3
+
+
+def test_leave_stops_waiting_at_once() -> None:
+    core = make_core(learners=("a", "b"), K=1, grace_max=30.0)
+    core.handle(contrib("a"), 0.0)
+    (m,) = merges(core.handle(LearnerLeft("b"), 0.2))
+    assert m["merged"] == ["a"]
+
+
+def test_not_expected_learner_does_not_hold_rounds() -> None:
+    core = make_core(learners=("a", "b"), K=1, grace_max=30.0)
+    core.handle(ExpectationChanged("b", False, "fail-slow"), 0.0)
+    (m,) = merges(core.handle(contrib("a"), 0.1))
+    assert m["merged"] == ["a"]
+    # its work still merges when it arrives
+    core.handle(contrib("b", base=0), 0.2)
+    (m,) = merges(core.handle(contrib("a", base=1, step=16), 0.3))
+    assert m["merged"] == ["a", "b"]
+
+
+def test_k_larger_than_roster_rejected_at_config_time() -> None:
+    with pytest.raises(ConfigError, match="min_quorum"):
+        make_core(learners=("a", "b"), K=3)
+
+
+def test_grace_shrinks_with_step_time_times_tau() -> None:
+    slow = make_core(K=1, grace_max=10.0)
+    slow.handle(contrib("a", step_time=1.0), 0.0)
+    fast = make_core(K=1, grace_max=10.0)
+    fast.handle(contrib("a", step_time=0.1), 0.0)
+    gamma = slow.config.syncer.grace_gamma
+    assert slow.grace() == pytest.approx(gamma * 2 * 1.0)
+    assert fast.grace() == pytest.approx(gamma * 2 * 0.1)
+    assert slow.next_deadline() == pytest.approx(gamma * 2.0)
+    # A shorter overlap leaves less slack too; tau=0 leaves none.
+    assert make_core(K=1, tau=0).grace() == 1.0  # no estimate yet: grace_max
+    zero = make_core(K=1, tau=0, grace_max=10.0)
+    assert merges(zero.handle(contrib("a", step_time=1.0), 0.0))  # no slack -> merges on arrival
+    # and the window is capped by grace_max
+    capped = make_core(K=1, grace_max=0.3)
+    capped.handle(contrib("a", step_time=5.0), 0.0)
+    assert capped.grace() == 0.3
+
+
+def test_newest_contribution_per_learner_supersedes() -> None:
+    core = make_core(K=2)
+    core.handle(contrib("a", 1.0, step=8, steps=8), 0.0)
+    core.handle(contrib("a", 3.0, step=16, steps=16), 0.1)  # cumulative: replaces, not adds
+    acts = core.handle(contrib("a", 9.0, step=8), 0.2)  # older one arriving late is ignored
+    assert events(acts, "superseded")
+    core.handle(contrib("b", 1.0), 0.3)
+    (m,) = merges(core.handle(Tick(), 5.0))
+    assert m["merged"] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (ContributionArrived(Contribution("a", 0, 0, 8, 8, 8.0, 0.0, (torch.full((N,), float("nan")),))), "non-finite"),
+        (ContributionArrived(Contribution("a", 0, 0, 8, 8, 8.0, 0.0, (torch.full((N,), float("inf")),))), "non-finite"),
+        (ContributionArrived(Contribution("a", 0, 0, 8, 8, 8.0, 0.0, (torch.zeros(N + 1),))), "expected"),
+        (ContributionArrived(Contribution("a", 0, 0, 8, 8, 8.0, 0.0, (torch.zeros(N, dtype=torch.float64),))), "expected"),
+        (ContributionArrived(Contribution("a", 5, 0, 8, 8, 8.0, 0.0, (torch.zeros(N),))), "unknown fragment"),
+        (ContributionArrived(Contribution("zz", 0, 0, 8, 8, 8.0, 0.0, (torch.zeros(N),))), "not joined"),
+        (ContributionArrived(Contribution("a", 0, 3, 8, 8, 8.0, 0.0, (torch.zeros(N),))), "ahead"),
+        (ContributionArrived(Contribution("a", 0, 0, 8, -1, 8.0, 0.0, (torch.zeros(N),))), "negative"),
+    ],
+)
+def test_bad_contributions_rejected_and_logged(bad, reason: str) -> None:
+    core = make_core(K=1)
+    acts = core.handle(bad, 0.0)
+    (r,) = events(acts, "reject")
+    assert reason in r["reason"]
+    assert core.rejected == 1 and not core.rounds[0].pending
+    # ... and everyone else is still served
+    assert merges(core.handle(contrib("b"), 0.1) + core.handle(Tick(), 5.0))
+
+
+def test_too_stale_is_dropped() -> None:
+    core = make_core(K=1, grace_max=0.0, max_staleness=1)
+    for r in range(3):
+        core.handle(contrib("a", base=r, step=8 * (r + 1)), float(r))
+    assert core.versions[0] == 3
+    (r,) = events(core.handle(contrib("b", base=0), 5.0), "reject")
+    assert "stale" in r["reason"]
+
+
+def test_syncer_anchoring_reanchors_stale_gradients() -> None:
+    def run(anchoring: str) -> torch.Tensor:
+        core = make_core(learners=("a", "b"), K=1, grace_max=0.0, anchoring=anchoring)
+        core.handle(contrib("a", 1.0), 0.0)  # theta: 0 -> -1 (version 1)
+        core.handle(contrib("b", 1.0, base=0), 1.0)  # stale by one version
+        return core.theta[0][0].clone()
+
+    # learner_base: -1 - 1 = -2. syncer: delta + (theta_now - theta_base) = 1 + (-1 - 0) = 0 -> stays -1.
+    assert torch.equal(run("learner_base"), torch.full((N,), -2.0))
+    assert torch.equal(run("syncer"), torch.full((N,), -1.0))
+
+
+def test_join_sends_every_fragment_current_value() -> None:
+    core = make_core(P=3, K=1, grace_max=0.0)
+    core.handle(contrib("a", p=1), 0.0)
+    sends = [a for a in core.handle(LearnerJoined("late"), 1.0) if isinstance(a, SendUpdate)]
+    assert sorted(s.update.fragment for s in sends) == [0, 1, 2]
+    assert all(s.to == ("late",) for s in sends)
+    assert {s.update.fragment: s.update.version for s in sends} == {0: 0, 1: 1, 2: 0}
+
+
+def test_fragments_are_independent() -> None:
+    core = make_core(P=2, K=2)
+    core.handle(contrib("a", p=0), 0.0)
+    core.handle(contrib("b", p=1), 0.0)
+    assert core.versions == [0, 0]
+    core.handle(contrib("b", p=0), 0.1)
+    assert merges(core.handle(Tick(), 1.1))[0]["fragment"] == 0
+    assert core.versions == [1, 0]
