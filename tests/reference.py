@@ -48,7 +48,7 @@ def reference_run(
     frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
     params = lambda m, f: [dict(m.named_parameters())[n] for n in f.names]  # noqa: E731
     theta = [[p.detach().clone() for p in params(init, f)] for f in frags]
-    outer = [getattr(torch.optim, sc.outer_optimizer)(t, lr=sc.outer_lr, **sc.outer_kwargs) for t in theta]
+    outer = [getattr(torch.optim, sc.outer_optimizer)(t, lr=sc.outer_lr, **sc.resolved_outer_kwargs()) for t in theta]
     learners: dict[str, _Learner] = {}
     for lid in sorted(learner_ids):
         model = copy.deepcopy(init)

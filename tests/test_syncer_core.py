@@ -87,7 +87,8 @@ def test_straggler_contribution_lands_in_next_round() -> None:
     # c's round-0 work arrives late, based on version 0: kept for round 1, nothing lost.
     assert merges(core.handle(contrib("c", 4.0, base=0), 1.2)) == []
     core.handle(contrib("a", 1.0, base=1, step=16), 2.0)
-    (m,) = merges(core.handle(contrib("b", 1.0, base=1, step=16), 2.0))
+    core.handle(contrib("b", 1.0, base=1, step=16), 2.0)
+    (m,) = merges(core.handle(Tick(), 3.0))  # c has no fresh work in: the grace window runs out
     assert m["merged"] == ["a", "b", "c"] and m["stale"] == ["c"] and m["round"] == 1
     # theta: -1 (round 0) then -(1+1+4)/3 = -2
     assert torch.equal(core.theta[0][0], torch.full((N,), -3.0))
@@ -193,12 +194,25 @@ def test_syncer_anchoring_reanchors_stale_gradients() -> None:
     def run(anchoring: str) -> torch.Tensor:
         core = make_core(learners=("a", "b"), K=1, grace_max=0.0, anchoring=anchoring)
         core.handle(contrib("a", 1.0), 0.0)  # theta: 0 -> -1 (version 1)
-        core.handle(contrib("b", 1.0, base=0), 1.0)  # stale by one version
+        core.handle(contrib("b", 1.0, base=0), 1.0)  # stale by one version: waits for a fresh one
+        assert core.versions[0] == 1
+        core.handle(contrib("a", 1.0, base=1, step=16), 2.0)
+        assert core.versions[0] == 2
         return core.theta[0][0].clone()
 
-    # learner_base: -1 - 1 = -2. syncer: delta + (theta_now - theta_base) = 1 + (-1 - 0) = 0 -> stays -1.
+    # learner_base: -1 - (1 + 1)/2 = -2. syncer: b re-anchored: 1 + (-1 - 0) = 0 -> -1 - (1 + 0)/2 = -1.5
     assert torch.equal(run("learner_base"), torch.full((N,), -2.0))
-    assert torch.equal(run("syncer"), torch.full((N,), -1.0))
+    assert torch.equal(run("syncer"), torch.full((N,), -1.5))
+
+
+def test_stale_contributions_alone_never_open_a_round() -> None:
+    """A lagging learner's contribution must not cause an outer step of its own."""
+    core = make_core(K=1, grace_max=0.0)
+    core.handle(contrib("a"), 0.0)
+    assert core.versions[0] == 1
+    assert merges(core.handle(contrib("b", base=0), 0.5) + core.handle(Tick(), 9.0)) == []
+    (m,) = merges(core.handle(contrib("a", base=1, step=16), 1.0))
+    assert m["merged"] == ["a", "b"] and m["stale"] == ["b"]
 
 
 def test_join_sends_every_fragment_current_value() -> None:

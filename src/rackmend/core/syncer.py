@@ -7,7 +7,8 @@ in-process for tests, behind the ZeroMQ service, or inside a discrete-event
 simulator. A driver must call ``handle(Tick(), now)`` once ``now`` reaches
 ``next_deadline()``.
 
-Per fragment, independently: wait for ``min_quorum`` contributions, then for the
+Per fragment, independently: wait for ``min_quorum`` fresh contributions (based on
+the current version), then for the
 adaptive grace window (or until every expected, healthy learner is in), merge in
 canonical order, run the outer optimizer on the syncer's own copy, bump the
 version and send the new value to every connected learner.
@@ -106,6 +107,14 @@ class LogRecord:
 
 
 Action = Union[SendUpdate, LogRecord]
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All elements finite. A finite sum proves it (any NaN/Inf poisons the sum) with a
+    read-only reduction; only a non-finite sum (or an overflow) needs the exact check."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 class Ema:
@@ -224,6 +233,14 @@ class SyncerCore:
             return {lid for lid, m in self.members.items() if m.expected}
         return {lid for lid, m in self.members.items() if m.expected and m.connected}
 
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The current global value of every parameter, by name (shared; do not modify)."""
+        return {
+            spec.name: t
+            for frag, upd in zip(self.fragments, self.current)
+            for spec, t in zip(frag.tensors, upd.tensors)
+        }
+
     def connected_learners(self) -> tuple[str, ...]:
         return tuple(sorted(lid for lid, m in self.members.items() if m.connected))
 
@@ -281,7 +298,7 @@ class SyncerCore:
                 f"max_staleness {self.config.syncer.max_staleness}", actions,
             )
             return None
-        if not all(bool(torch.isfinite(t).all()) for t in c.tensors):
+        if not all(_finite(t) for t in c.tensors):
             self._reject(c, now, "non-finite values (NaN or Inf)", actions)
             return None
         rnd = self.rounds[p]
@@ -290,7 +307,7 @@ class SyncerCore:
             actions.append(self._log(now, "superseded", learner=c.learner_id, fragment=p, step=c.step))
             return p
         rnd.pending[c.learner_id] = c
-        if rnd.first_arrival is None:
+        if rnd.first_arrival is None and c.base_version == version:
             rnd.first_arrival = now
         if c.step_time > 0:
             self.xi_step.add(c.step_time)
@@ -301,16 +318,21 @@ class SyncerCore:
             self._maybe_close(p, now, actions)
 
     def _maybe_close(self, p: int, now: float, actions: list[Action]) -> None:
+        """Quorum and early finish count only fresh contributions (based on the current
+        version, i.e. newer than the last merge); stale ones ride along with the next
+        round, so a lagging learner never triggers an extra outer step of its own."""
         rnd = self.rounds[p]
-        if not rnd.pending:
+        version = self.versions[p]
+        fresh = {lid for lid, c in rnd.pending.items() if c.base_version == version}
+        if not fresh:
             return
         expected = self.expected_learners()
-        all_in = bool(expected) and expected <= rnd.pending.keys()
+        all_in = bool(expected) and expected <= fresh
         if self.config.deterministic:
             if all_in:
                 self._merge(p, now, actions)
             return
-        if len(rnd.pending) < self.config.syncer.min_quorum:
+        if len(fresh) < self.config.syncer.min_quorum:
             return
         if rnd.quorum_at is None:
             rnd.quorum_at = now

@@ -5,7 +5,9 @@ inner optimizer (``step``, ``zero_grad``, ``param_groups``, ``state_dict``). Aft
 each inner step it counts steps and tokens per fragment, sends the fragments that
 are due (outer gradient = global value held - local value, computed on a host
 snapshot), and applies merged values that came back by the configured rule. It
-blocks only when joining and, in deterministic mode, at t_send + tau.
+blocks only when joining and, in deterministic mode, at t_send + tau. A merged
+value is applied only at t_send + tau of this learner's own send (or the first step
+after it arrives, if later), never in between.
 
 The transport is whatever ``LearnerLink`` is passed in; nothing here knows sockets.
 """
@@ -178,9 +180,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 upd = self._wait(p)
             if upd is not None:
                 self._apply(p, upd, pend)
-        for p in sorted(self._arrived):
-            if p not in self._pending:
-                self._rebase_to(p, self._arrived.pop(p))
+        # An update for a fragment not sent yet waits for that fragment's own send:
+        # the send then carries this learner's progress as a stale contribution that
+        # rides along with the next round instead of opening a round of its own.
         self._last_step_end = time.perf_counter()
 
     def _join(self) -> None:
@@ -262,14 +264,6 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.c_steps[p], self.c_tokens[p], self.c_time[p] = 0, 0.0, 0.0
         if self.on_apply is not None:
             self.on_apply(p, upd)
-
-    def _rebase_to(self, p: int, upd: Update) -> None:
-        """A newer global value arrived for a fragment this learner has not sent:
-        move onto it and keep the local progress (theta += new - old); the counters
-        keep counting that progress, which the next send contributes."""
-        self._rebase(p, old=self.held[p], new=list(upd.tensors))
-        self.held[p] = list(upd.tensors)
-        self.versions[p] = upd.version
 
     @torch.no_grad()
     def _rebase(self, p: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:

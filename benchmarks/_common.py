@@ -1,0 +1,52 @@
+"""Conventions every benchmark here follows: ``--quick``, a table, JSON under
+``benchmarks/results/``, and a last line ``RESULT k=v ...`` for easy comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes, for a smoke run")
+    p.add_argument("--out", type=Path, default=None, help="JSON output path (default: benchmarks/results/<name>.json)")
+    return p
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    """Median and spread (min, max) of repeated measurements."""
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def finish(name: str, out: Path | None, payload: dict[str, Any], result: dict[str, float]) -> None:
+    """Write the JSON (machine, inputs, samples) and print the RESULT line last."""
+    path = out or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "machine": machine(), **payload, "result": result}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    print(f"wrote {path}")
+    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))

@@ -1,0 +1,213 @@
+"""The demo: M learners train the byte-level GPT together, rackmend next to a
+data-parallel-equivalent arm, and a table of held-out loss against tokens and time.
+
+Runbook: ``rackmend demo`` (what ``make demo`` runs) takes about two minutes on
+two CPU cores; ``rackmend demo --help`` lists the knobs. Both arms use the same
+model initialisation, data streams, inner optimizer and step count; they differ
+only in how learners synchronise:
+
+- ``data-parallel``: every step, blocking, all learners, plain averaging
+  (H=1, P=1, tau=0, outer SGD lr=1 without momentum: Theta <- mean theta_m).
+- ``rackmend``: P fragments every H steps, tau-step overlap, quorum K=1,
+  adaptive grace, tokens^2/steps weights, Nesterov outer step.
+
+In this version all learners are threads of one process, joined by the
+in-process transport; nothing crosses a network yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from rackmend.config import LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core.fragments import pack_fragments
+from rackmend.learner.optimizer import RackmendOptimizer
+from rackmend.transport.inprocess import InProcessSyncer
+from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
+
+__all__ = ["DemoSettings", "ArmResult", "arm_configs", "train_arm", "main"]
+
+
+@dataclass(kw_only=True)
+class DemoSettings:
+    """What the demo trains and for how long."""
+
+    learners: int = 4
+    """M: number of learners."""
+    steps: int = 240
+    """Inner steps per learner."""
+    batch_size: int = 8
+    """Sequences per learner step."""
+    seed: int = 0
+    """Seed of the model initialisation and of the data streams."""
+    sync_every: int = 16
+    """H of the rackmend arm."""
+    fragments: int = 4
+    """P of the rackmend arm."""
+    overlap: int = 2
+    """tau of the rackmend arm."""
+    evals: int = 4
+    """Held-out evaluations during the run (plus one at the start and one at the end)."""
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """Shape of the GPT."""
+
+    def __post_init__(self) -> None:
+        for name in ("learners", "steps", "batch_size", "evals"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ArmResult:
+    """What one arm measured."""
+
+    name: str
+    points: list[tuple[int, float, float]]
+    """(tokens trained by all learners, wall seconds, held-out loss of the global model)."""
+    wall_s: float
+    compute_s: dict[str, float]
+    blocked_s: dict[str, float]
+    bytes_up: int
+    merges: int
+
+    @property
+    def utilization(self) -> float:
+        """Mean over learners of time in inner steps / wall time."""
+        return sum(self.compute_s.values()) / (len(self.compute_s) * self.wall_s)
+
+
+def arm_configs(s: DemoSettings) -> dict[str, RackmendConfig]:
+    ids = tuple(f"learner{i}" for i in range(s.learners))
+    return {
+        "data-parallel": RackmendConfig(
+            schedule=ScheduleConfig(sync_every=1, num_fragments=1, overlap=0),
+            syncer=SyncerConfig(min_quorum=s.learners, learners=ids, weighting="uniform",
+                                outer_lr=1.0, outer_kwargs={}),
+            deterministic=True,
+        ),
+        "rackmend": RackmendConfig(
+            schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
+            syncer=SyncerConfig(min_quorum=1, learners=ids),
+            learner=LearnerConfig(apply="overwrite"),
+        ),
+    }
+
+
+def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCorpus,
+              progress: tqdm | None = None) -> ArmResult:
+    """Run M learner threads against an in-process syncer and measure."""
+    torch.manual_seed(s.seed)
+    init = GPT(s.model)
+    sch = config.schedule
+    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
+    named = dict(init.named_parameters())
+    hub = InProcessSyncer(config, frags, [[named[n].detach() for n in f.names] for f in frags])
+    eval_model = GPT(s.model)
+    eval_batches = corpus.eval_batches(8, 16, s.model.block_size)
+    tokens_per_step = s.batch_size * s.model.block_size
+    eval_at = {max(1, round(s.steps * (i + 1) / (s.evals + 1))) for i in range(s.evals)}
+    ids = [f"learner{i}" for i in range(s.learners)]
+    compute = {lid: 0.0 for lid in ids}
+    blocked = {lid: 0.0 for lid in ids}
+    sent = {lid: 0 for lid in ids}
+    done_steps = {lid: 0 for lid in ids}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def global_loss() -> float:
+        eval_model.load_state_dict(hub.core.global_parameters(), strict=False)
+        return evaluate(eval_model, eval_batches)
+
+    t_start = time.perf_counter()
+    points = [(0, 0.0, global_loss())]
+
+    def learner(idx: int, lid: str) -> None:
+        try:
+            model = GPT(s.model)
+            inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+            opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id=lid, fragments=frags)
+            g = torch.Generator().manual_seed(s.seed * 1000 + idx)
+            for t in range(1, s.steps + 1):
+                x, y = corpus.batch(g, s.batch_size, s.model.block_size)
+                t0, b0 = time.perf_counter(), opt.blocked_seconds
+                loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step(tokens=tokens_per_step)
+                compute[lid] += time.perf_counter() - t0 - (opt.blocked_seconds - b0)
+                with lock:
+                    done_steps[lid] = t
+                    if progress is not None:
+                        progress.update(1)
+                        if idx == 0:
+                            progress.set_postfix(arm=name, loss=f"{float(loss.detach()):.3f}", refresh=False)
+                if idx == 0 and t in eval_at:
+                    tokens = sum(done_steps.values()) * tokens_per_step
+                    points.append((tokens, time.perf_counter() - t_start, global_loss()))
+            blocked[lid] = opt.blocked_seconds
+            sent[lid] = opt.bytes_sent
+            opt.close()
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(i, lid), name=lid) for i, lid in enumerate(ids)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t_start
+    hub.close()
+    if errors:
+        raise errors[0]
+    points.append((s.learners * s.steps * tokens_per_step, wall, global_loss()))
+    return ArmResult(name, points, wall, compute, blocked, sum(sent.values()), len(hub.merges()))
+
+
+def format_table(results: list[ArmResult]) -> str:
+    lines = [
+        f"{'arm':<14} {'tokens':>9} {'wall s':>8} {'held-out loss':>14}",
+        "-" * 48,
+    ]
+    for r in results:
+        for tokens, wall, loss in r.points:
+            lines.append(f"{r.name:<14} {tokens:>9} {wall:>8.1f} {loss:>14.4f}")
+        lines.append("")
+    lines.append(f"{'arm':<14} {'utilization':>11} {'blocked s/learner':>18} {'MB sent up':>11} {'merges':>7}")
+    for r in results:
+        mean_blocked = sum(r.blocked_s.values()) / len(r.blocked_s)
+        lines.append(f"{r.name:<14} {r.utilization:>11.2f} {mean_blocked:>18.1f} {r.bytes_up / 1e6:>11.1f} {r.merges:>7}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DemoSettings()
+    p.add_argument("--learners", type=int, default=d.learners, help="number of learners M (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help="H of the rackmend arm (default %(default)s)")
+    p.add_argument("--fragments", type=int, default=d.fragments, help="P of the rackmend arm (default %(default)s)")
+    p.add_argument("--overlap", type=int, default=d.overlap, help="tau of the rackmend arm (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed (default %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    s = DemoSettings(learners=args.learners, steps=args.steps, batch_size=args.batch_size,
+                     sync_every=args.sync_every, fragments=args.fragments, overlap=args.overlap, seed=args.seed)
+    corpus = ByteCorpus()
+    params = sum(p.numel() for p in GPT(s.model).parameters())
+    print(f"rackmend demo: {s.learners} learners x {s.steps} steps, byte-level GPT with {params / 1e6:.2f} M "
+          f"parameters, corpus {len(corpus.train) / 1e3:.0f} kB train / {len(corpus.held_out) / 1e3:.0f} kB held out")
+    configs = arm_configs(s)
+    results = []
+    with tqdm(total=len(configs) * s.learners * s.steps, unit="step", dynamic_ncols=True) as bar:
+        for name, config in configs.items():
+            results.append(train_arm(name, config, s, corpus, bar))
+    print()
+    print(format_table(results))
+    return 0
