@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from rackmend.config import RackmendConfig
-from rackmend.core.fragments import FragmentSpec
+from rackmend.core.fragments import FragmentSpec, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -60,6 +60,14 @@ class InProcessSyncer:
         self._thread = threading.Thread(target=self._run, name="rackmend-syncer", daemon=True)
         self._error: BaseException | None = None
         self._thread.start()
+
+    @classmethod
+    def for_model(cls, config: RackmendConfig, model: torch.nn.Module, **kwargs: object) -> "InProcessSyncer":
+        """A syncer whose global value starts as ``model``'s parameters, split per ``config``."""
+        sch = config.schedule
+        frags = pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing)
+        named = dict(model.named_parameters())
+        return cls(config, frags, [[named[n].detach() for n in f.names] for f in frags], **kwargs)  # type: ignore[arg-type]
 
     def connect(self) -> "InProcessLink":
         """A new link for one learner."""
