@@ -83,6 +83,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.blocked_seconds = 0.0
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
+        self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
+        self._pinned: dict[int, list[torch.Tensor]] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
         self._join()
@@ -219,8 +221,30 @@ class RackmendOptimizer(torch.optim.Optimizer):
             )
         return upd
 
+    def _snapshot(self, p: int) -> list[torch.Tensor]:
+        """Host copy of fragment p. CUDA parameters go to pinned buffers (reused per
+        fragment) on a side stream, so the copy overlaps the next kernels of the
+        current stream instead of serialising with them; the host waits only for
+        this copy, never for the whole device queue."""
+        params = self._params[p]
+        if not params or not params[0].is_cuda:
+            return [param.detach().to("cpu", copy=True) for param in params]
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=params[0].device)
+        buffers = self._pinned.get(p)
+        if buffers is None:
+            buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
+            self._pinned[p] = buffers
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(params[0].device))
+        with torch.cuda.stream(stream):
+            for buf, param in zip(buffers, params):
+                buf.copy_(param.detach(), non_blocking=True)
+        stream.synchronize()
+        return buffers
+
     def _send(self, p: int) -> None:
-        snapshot = [param.detach().to("cpu", copy=True) for param in self._params[p]]
+        snapshot = self._snapshot(p)
         delta = tuple(h - s for h, s in zip(self.held[p], snapshot))
         steps = self.c_steps[p]
         contribution = Contribution(
@@ -235,7 +259,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         )
         self.link.send(contribution)
         self.bytes_sent += self.fragments[p].nbytes
-        keep = snapshot if self.config.learner.apply == "keep_local" else None
+        # Pinned buffers are reused at the next send, so keep_local holds its own copy.
+        keep = None
+        if self.config.learner.apply == "keep_local":
+            keep = [t.clone() for t in snapshot] if p in self._pinned else snapshot
         self._pending[p] = _Pending(self.step_count, keep, (steps, self.c_tokens[p], self.c_time[p]))
 
     @torch.no_grad()
