@@ -21,6 +21,16 @@ def main(argv: list[str] | None = None) -> int:
                        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(p)
     p.set_defaults(run=demo.main)
+
+    from rackmend.service import cli as service_cli
+
+    p = sub.add_parser("syncer", help="run the syncer service (ZeroMQ) that learners connect to",
+                       description=service_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    service_cli.add_syncer_arguments(p)
+    p.set_defaults(run=service_cli.syncer_main)
+    p = sub.add_parser("keygen", help="write a CurveZMQ key pair for the syncer or a learner")
+    service_cli.add_keygen_arguments(p)
+    p.set_defaults(run=service_cli.keygen_main)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "fingerprint",
+    "dtype_name",
+    "layout_to_wire",
+    "layout_from_wire",
 ]
 
 
@@ -166,3 +169,38 @@ def fingerprint(fragments: Iterable[FragmentSpec]) -> str:
         for t in f.tensors:
             h.update(f"{t.name}|{t.shape}|{t.dtype}|{int(t.is_embedding)};".encode())
     return h.hexdigest()[:16]
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_to_wire(fragments: Sequence[FragmentSpec]) -> list[dict[str, Any]]:
+    """The layout as plain lists and maps (for msgpack headers and checkpoint JSON)."""
+    return [{"index": f.index, "offset": f.offset,
+             "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), t.is_embedding] for t in f.tensors]}
+            for f in fragments]
+
+
+def layout_from_wire(raw: Any) -> list[FragmentSpec]:
+    """Inverse of ``layout_to_wire``; raises ValueError on anything malformed."""
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("layout: expected a non-empty list of fragments")
+    out = []
+    for i, f in enumerate(raw):
+        if not isinstance(f, dict) or f.get("index") != i or not isinstance(f.get("offset"), int):
+            raise ValueError(f"layout: fragment {i} is malformed")
+        tensors = []
+        for t in f.get("tensors", ()):
+            if (not isinstance(t, list) or len(t) != 4 or not isinstance(t[0], str)
+                    or not isinstance(t[1], list) or not all(isinstance(d, int) and d >= 0 for d in t[1])
+                    or t[2] not in _DTYPES or not isinstance(t[3], bool)):
+                raise ValueError(f"layout: a tensor of fragment {i} is malformed: {str(t)[:80]}")
+            tensors.append(TensorSpec(t[0], tuple(t[1]), _DTYPES[t[2]], t[3]))
+        out.append(FragmentSpec(i, f["offset"], tuple(tensors)))
+    return out

@@ -41,3 +41,6 @@ class Update:
     version: int
     tensors: tuple[torch.Tensor, ...]
     """Full values; receivers must not modify them (they may be shared)."""
+    reset: bool = False
+    """Sent in answer to a (re)join: the learner adopts it whatever version it holds
+    (after a syncer restart versions may go back to the last checkpoint)."""

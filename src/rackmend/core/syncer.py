@@ -17,7 +17,7 @@ version and send the new value to every connected learner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -243,6 +243,72 @@ class SyncerCore:
 
     def connected_learners(self) -> tuple[str, ...]:
         return tuple(sorted(lid for lid, m in self.members.items() if m.connected))
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a restarted syncer needs: (tensors by name, plain JSON-able rest).
+        Pending contributions are not kept: their senders send again next period."""
+        tensors: dict[str, torch.Tensor] = {}
+        optim_meta = []
+        for p, (theta, opt) in enumerate(zip(self.theta, self.optimizers)):
+            for i, t in enumerate(theta):
+                tensors[f"theta/{p}/{i}"] = t.detach()
+            sd = opt.state_dict()
+            scalars: dict[str, dict[str, Any]] = {}
+            for idx, st in sd["state"].items():
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim/{p}/{idx}/{key}"] = value
+                    else:
+                        scalars.setdefault(str(idx), {})[key] = value
+            optim_meta.append({"param_groups": sd["param_groups"], "scalars": scalars})
+            for v, hist in self.history[p].items():
+                for i, t in enumerate(hist):
+                    tensors[f"history/{p}/{v}/{i}"] = t
+        meta = {
+            "versions": list(self.versions),
+            "optim": optim_meta,
+            "ema": {"step": self.xi_step.value, "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
+            "rejected": self.rejected,
+            "learners": sorted(self.members),
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore from ``state_dict()``'s output (same layout and config)."""
+        if len(meta["versions"]) != len(self.fragments):
+            raise ValueError(f"checkpoint has {len(meta['versions'])} fragments, the layout has {len(self.fragments)}")
+        for p, spec in enumerate(self.fragments):
+            values = [tensors[f"theta/{p}/{i}"] for i in range(len(spec.tensors))]
+            problem = self._check_tensors(spec, values)
+            if problem:
+                raise ValueError(f"checkpoint does not match the layout: {problem}")
+            with torch.no_grad():
+                for t, v in zip(self.theta[p], values):
+                    t.copy_(v)
+            om = meta["optim"][p]
+            state: dict[int, dict[str, Any]] = {}
+            for key, value in tensors.items():
+                parts = key.split("/")
+                if parts[0] == "optim" and parts[1] == str(p):
+                    state.setdefault(int(parts[2]), {})[parts[3]] = value.clone()
+            for idx, scalars in om["scalars"].items():
+                state.setdefault(int(idx), {}).update(scalars)
+            self.optimizers[p].load_state_dict({"state": state, "param_groups": om["param_groups"]})
+            hist: dict[int, list[torch.Tensor]] = {}
+            for key, value in tensors.items():
+                parts = key.split("/")
+                if parts[0] == "history" and parts[1] == str(p):
+                    hist.setdefault(int(parts[2]), [None] * len(spec.tensors))[int(parts[3])] = value.clone()  # type: ignore[list-item]
+            self.history[p] = hist
+            self.versions[p] = int(meta["versions"][p])
+            self.current[p] = self._snapshot(p)
+            self.rounds[p] = _Round()
+        self.xi_step.value = meta["ema"]["step"]
+        self.xi_quorum.value = meta["ema"]["quorum"]
+        self.xi_sync.value = meta["ema"]["sync"]
+        self.rejected = int(meta["rejected"])
+        for lid in meta["learners"]:
+            self.members.setdefault(lid, _Member(connected=False, expected=True))
 
     # ------------------------------------------------------------------ internals
     def _log(self, now: float, event: str, **fields: object) -> LogRecord:

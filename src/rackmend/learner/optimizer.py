@@ -188,7 +188,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._last_step_end = time.perf_counter()
 
     def _join(self) -> None:
-        updates = self.link.join(self.learner_id, self.config.learner.wait_timeout)
+        initial = [[t.detach() for t in params] for params in self._params]
+        updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.wait_timeout)
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got]
         if missing:
@@ -202,6 +203,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _absorb(self, updates: list[Update]) -> None:
         for upd in updates:
+            if upd.reset:
+                self._adopt(upd)
+                continue
             if upd.version <= self.versions[upd.fragment]:
                 continue
             prev = self._arrived.get(upd.fragment)
@@ -291,6 +295,18 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.c_steps[p], self.c_tokens[p], self.c_time[p] = 0, 0.0, 0.0
         if self.on_apply is not None:
             self.on_apply(p, upd)
+
+    def _adopt(self, upd: Update) -> None:
+        """A rejoin answer (e.g. the syncer restarted from a checkpoint): take its value
+        as the new base and keep the local progress made on top of the old one."""
+        p = upd.fragment
+        if upd.version == self.versions[p] and all(map(torch.equal, self.held[p], upd.tensors)):
+            return
+        self._rebase(p, old=self.held[p], new=list(upd.tensors))
+        self.held[p] = list(upd.tensors)
+        self.versions[p] = upd.version
+        self._pending.pop(p, None)
+        self._arrived.pop(p, None)
 
     @torch.no_grad()
     def _rebase(self, p: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:

@@ -6,11 +6,18 @@ A link belongs to one learner (or one rank of it). It never blocks in ``send`` o
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import queue
+import time
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
+import torch
+
+from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
 
-__all__ = ["LearnerLink", "TransportError"]
+__all__ = ["LearnerLink", "TransportError", "QueueLink"]
+
+_POLL = 0.05  # seconds; how often a blocked wait rechecks that the carrier is alive
 
 
 class TransportError(RuntimeError):
@@ -19,8 +26,16 @@ class TransportError(RuntimeError):
 
 @runtime_checkable
 class LearnerLink(Protocol):
-    def join(self, learner_id: str, timeout: float) -> list[Update]:
-        """Announce ``learner_id``; return the current value of every fragment."""
+    def join(
+        self,
+        learner_id: str,
+        fragments: Sequence[FragmentSpec],
+        initial: Sequence[Sequence[torch.Tensor]],
+        timeout: float,
+    ) -> list[Update]:
+        """Announce ``learner_id`` with its parameter layout; return the current value
+        of every fragment. ``initial`` (the learner's own values) seeds a syncer that
+        has no state yet."""
         ...
 
     def send(self, contribution: Contribution) -> None:
@@ -39,3 +54,48 @@ class LearnerLink(Protocol):
     def leave(self) -> None:
         """Tell the syncer this learner is leaving; idempotent."""
         ...
+
+
+class QueueLink:
+    """The receiving half shared by links whose updates land in a ``queue.Queue``:
+    ``poll`` and ``wait`` with updates for other fragments held back, never lost."""
+
+    def __init__(self, alive: Callable[[], BaseException | None]) -> None:
+        self._box: "queue.Queue[Update]" = queue.Queue()
+        self._held_back: list[Update] = []
+        self._alive = alive
+        """Returns the carrier's failure, or None while it works."""
+
+    def poll(self) -> list[Update]:
+        out, self._held_back = self._held_back, []
+        while True:
+            try:
+                out.append(self._box.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
+        end = time.monotonic() + timeout
+        for i, upd in enumerate(self._held_back):
+            if upd.fragment == fragment and upd.version > after_version:
+                return self._held_back.pop(i)
+        while True:
+            upd = self._get(end)
+            if upd is None:
+                return None
+            if upd.fragment == fragment and upd.version > after_version:
+                return upd
+            self._held_back.append(upd)
+
+    def _get(self, end: float) -> Update | None:
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return None
+            error = self._alive()
+            if error is not None:
+                raise TransportError(f"the link to the syncer failed: {error}") from error
+            try:
+                return self._box.get(timeout=min(remaining, _POLL))
+            except queue.Empty:
+                continue

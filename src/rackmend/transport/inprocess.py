@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from rackmend.config import RackmendConfig
-from rackmend.core.fragments import FragmentSpec, pack_fragments
+from rackmend.core.fragments import FragmentSpec, fingerprint, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -30,7 +30,7 @@ from rackmend.core.syncer import (
     SyncTimed,
     Tick,
 )
-from rackmend.transport.base import TransportError
+from rackmend.transport.base import QueueLink, TransportError
 
 __all__ = ["InProcessSyncer", "InProcessLink"]
 
@@ -92,11 +92,9 @@ class InProcessSyncer:
         return [e for e in self.events if e["event"] == "merge"]
 
     # ------------------------------------------------------------------ internals
-    def _register(self, learner_id: str) -> "queue.Queue[Update]":
+    def _register(self, learner_id: str, box: "queue.Queue[Update]") -> None:
         with self._lock:
-            box: "queue.Queue[Update]" = queue.Queue()
             self._outboxes[learner_id] = box
-            return box
 
     def _post(self, event: Event) -> None:
         if not self._thread.is_alive():
@@ -143,18 +141,20 @@ class InProcessSyncer:
                 self.core.handle(SyncTimed(p, seconds), self.clock())
 
 
-class InProcessLink:
+class InProcessLink(QueueLink):
     """One learner's end of an ``InProcessSyncer``."""
 
     def __init__(self, hub: InProcessSyncer) -> None:
+        super().__init__(lambda: hub._error)
         self._hub = hub
-        self._box: "queue.Queue[Update] | None" = None
-        self._held_back: list[Update] = []
         self.learner_id: str | None = None
 
-    def join(self, learner_id: str, timeout: float) -> list[Update]:
+    def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+        if fingerprint(fragments) != fingerprint(self._hub.core.fragments):
+            raise TransportError(f"join of {learner_id}: the learner's parameter layout differs from the syncer's")
         self.learner_id = learner_id
-        self._box = self._hub._register(learner_id)
+        self._hub._register(learner_id, self._box)
         self._hub._post(LearnerJoined(learner_id))
         n = len(self._hub.core.fragments)
         got: dict[int, Update] = {}
@@ -169,42 +169,7 @@ class InProcessLink:
     def send(self, contribution: Contribution) -> None:
         self._hub._post(ContributionArrived(contribution))
 
-    def poll(self) -> list[Update]:
-        out, self._held_back = self._held_back, []
-        assert self._box is not None, "join() first"
-        while True:
-            try:
-                out.append(self._box.get_nowait())
-            except queue.Empty:
-                return out
-
-    def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
-        end = time.monotonic() + timeout
-        for i, upd in enumerate(self._held_back):
-            if upd.fragment == fragment and upd.version > after_version:
-                return self._held_back.pop(i)
-        while True:
-            upd = self._get(end)
-            if upd is None:
-                return None
-            if upd.fragment == fragment and upd.version > after_version:
-                return upd
-            self._held_back.append(upd)
-
     def leave(self) -> None:
         if self.learner_id is not None and self._hub._thread.is_alive():
             self._hub._post(LearnerLeft(self.learner_id))
         self.learner_id = None
-
-    def _get(self, end: float) -> Update | None:
-        assert self._box is not None
-        while True:
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                return None
-            if self._hub._error is not None:
-                raise TransportError("the in-process syncer thread failed") from self._hub._error
-            try:
-                return self._box.get(timeout=min(remaining, _POLL))
-            except queue.Empty:
-                continue

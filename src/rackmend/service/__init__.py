@@ -1,0 +1,9 @@
+"""The syncer as a network service (ZeroMQ ROUTER, membership, checkpoints, Curve).
+
+The round logic lives in ``rackmend.core``; the wire format in ``rackmend.transport.wire``.
+"""
+
+from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.syncer import ServiceConfig, SyncerService
+
+__all__ = ["ServiceConfig", "SyncerService", "load_checkpoint", "save_checkpoint"]

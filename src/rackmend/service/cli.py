@@ -1,0 +1,184 @@
+"""``rackmend syncer`` and ``rackmend keygen``: flags, config file and environment.
+
+Every option can come from a flag, from the TOML file given by ``--config`` (same
+names with underscores) or from an environment variable ``RACKMEND_<NAME>``; a flag
+wins over the environment, which wins over the file, which wins over the default.
+``docs/multinode.md`` lists the options as one table (``rackmend syncer --help``
+prints the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+
+__all__ = ["OPTIONS", "add_syncer_arguments", "syncer_main", "add_keygen_arguments", "keygen_main"]
+
+ENV_PREFIX = "RACKMEND_"
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {v!r}")
+
+
+def _ids(v: Any) -> tuple[str, ...]:
+    if isinstance(v, (list, tuple)):
+        return tuple(str(x) for x in v)
+    return tuple(x.strip() for x in str(v).split(",") if x.strip())
+
+
+def _json_map(v: Any) -> dict[str, Any] | None:
+    if v is None or isinstance(v, dict):
+        return v
+    out = json.loads(v)
+    if not isinstance(out, dict):
+        raise ValueError("expected a JSON object like {\"momentum\": 0.9}")
+    return out
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    section: str  # service | schedule | syncer | run
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("bind", str, "tcp://127.0.0.1:5555", "ZeroMQ endpoint to listen on (port 0: any free port)", "service"),
+    Option("insecure", _bool, False, "allow a non-loopback bind without Curve keys", "service"),
+    Option("secret_key", str, None, "the syncer's .key_secret file (turns CurveZMQ on)", "service"),
+    Option("allowed_keys", str, None, "directory of learner public .key files allowed to connect", "service"),
+    Option("checkpoint_dir", str, None, "directory for checkpoints (none: no checkpoints)", "service"),
+    Option("checkpoint_every", int, 50, "checkpoint every N merges (and on SIGTERM/SIGINT)", "service"),
+    Option("resume", _bool, False, "continue from the checkpoint in --checkpoint-dir", "service"),
+    Option("heartbeat_timeout", float, 10.0, "seconds of silence before a learner rank counts as gone", "service"),
+    Option("max_message_mb", float, 2048.0, "largest message accepted, in MiB", "service"),
+    Option("log", str, None, "JSONL event log (merges, joins, rejections)", "service"),
+    Option("ready_file", str, None, "write the bound endpoint here once listening (for scripts)", "run"),
+    Option("overlap", int, 2, "tau of the learners (used by the grace window); must match them", "schedule"),
+    Option("min_quorum", int, 1, "K: fresh contributions a round needs", "syncer"),
+    Option("learners", _ids, (), "expected learner ids, comma-separated (empty: whoever joins)", "syncer"),
+    Option("grace_max", float, 2.0, "upper bound of the grace window, seconds", "syncer"),
+    Option("grace_gamma", float, 0.8, "share of the overlap slack spent waiting for stragglers", "syncer"),
+    Option("weighting", str, "tokens_sq_per_step", "tokens_sq_per_step | tokens | uniform", "syncer"),
+    Option("merge", str, "mean", "mean | rda", "syncer"),
+    Option("outer_optimizer", str, "SGD", "a torch.optim class name", "syncer"),
+    Option("outer_lr", float, 0.7, "outer learning rate", "syncer"),
+    Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
+    Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
+    Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
+    Option("deterministic", _bool, False, "bit-reproducible mode: rounds wait for the whole roster", "run"),
+)
+
+
+def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below")
+    for o in OPTIONS:
+        flag = "--" + o.name.replace("_", "-")
+        env = ENV_PREFIX + o.name.upper()
+        if o.parse is _bool:
+            p.add_argument(flag, action="store_const", const=True, default=None,
+                           help=f"{o.help} (env {env})")
+        else:
+            p.add_argument(flag, default=None, metavar=o.name.upper(),
+                           help=f"{o.help} (default {o.default!r}; env {env})")
+
+
+def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Option values: flag, else environment, else config file, else default."""
+    environ = dict(os.environ if environ is None else environ)
+    file_values: dict[str, Any] = {}
+    if args.config is not None:
+        file_values = tomllib.loads(args.config.read_text())
+        unknown = set(file_values) - {o.name for o in OPTIONS}
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown options {sorted(unknown)}")
+    out: dict[str, Any] = {}
+    for o in OPTIONS:
+        raw, source = getattr(args, o.name), "--" + o.name.replace("_", "-")
+        if raw is None and ENV_PREFIX + o.name.upper() in environ:
+            raw, source = environ[ENV_PREFIX + o.name.upper()], ENV_PREFIX + o.name.upper()
+        if raw is None and o.name in file_values:
+            raw, source = file_values[o.name], f"{args.config}:{o.name}"
+        if raw is None:
+            out[o.name] = o.default
+            continue
+        try:
+            out[o.name] = o.parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return out
+
+
+def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
+    from rackmend.service.syncer import ServiceConfig
+
+    syncer = SyncerConfig(**{o.name: values[o.name] for o in OPTIONS if o.section == "syncer"})
+    overlap = values["overlap"]
+    config = RackmendConfig(
+        # The syncer learns H and P from the learners' layout; only tau enters its grace window.
+        schedule=ScheduleConfig(sync_every=overlap + 1, num_fragments=1, overlap=overlap),
+        syncer=syncer,
+        learner=LearnerConfig(),
+        deterministic=values["deterministic"],
+    )
+    service = ServiceConfig(
+        bind=values["bind"], insecure=values["insecure"], secret_key_file=values["secret_key"],
+        allowed_keys_dir=values["allowed_keys"], checkpoint_dir=values["checkpoint_dir"],
+        checkpoint_every=values["checkpoint_every"], resume=values["resume"],
+        heartbeat_timeout=values["heartbeat_timeout"], max_message_bytes=int(values["max_message_mb"] * 2**20),
+        log_path=values["log"],
+    )
+    return config, service
+
+
+def syncer_main(args: argparse.Namespace) -> int:
+    from rackmend.service.syncer import SyncerService
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        values = resolve(args)
+        config, service = build(values)
+        svc = SyncerService(config, service)
+    except ConfigError as exc:
+        print(f"rackmend syncer: {exc}", file=sys.stderr)
+        return 2
+    print(f"rackmend syncer listening on {svc.endpoint}", flush=True)
+    if values["ready_file"]:
+        tmp = Path(values["ready_file"] + ".tmp")
+        tmp.write_text(svc.endpoint)
+        tmp.replace(values["ready_file"])
+    svc.serve()
+    return 0
+
+
+def add_keygen_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", type=Path, help="where to write NAME.key (public) and NAME.key_secret")
+    p.add_argument("name", help="key name, e.g. syncer or the learner id")
+
+
+def keygen_main(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    args.directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(args.directory), args.name)
+    os.chmod(secret, 0o600)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private; mode 600)")
+    return 0

@@ -1,0 +1,384 @@
+"""The syncer as a network service: a ZeroMQ ROUTER socket in front of ``SyncerCore``.
+
+This module owns sockets, time, membership (hello, heartbeats, leave, silence),
+checkpoints and authentication. The round logic stays in ``rackmend.core.syncer``;
+the bytes' format and validation in ``rackmend.transport.wire``.
+
+One thread, one loop: poll the socket until the next grace deadline, heartbeat
+check or stop request, feed what arrived to the core, carry out its actions.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from rackmend.config import ConfigError, RackmendConfig
+from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
+from rackmend.core.syncer import (
+    ContributionArrived,
+    Event,
+    LearnerJoined,
+    LearnerLeft,
+    LogRecord,
+    SendUpdate,
+    SyncerCore,
+    SyncTimed,
+    Tick,
+)
+from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.transport import wire
+
+__all__ = ["ServiceConfig", "SyncerService"]
+
+log = logging.getLogger("rackmend.syncer")
+
+
+@dataclass(kw_only=True)
+class ServiceConfig:
+    """Where and how the syncer service listens, checkpoints and authenticates."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint of the ROUTER socket. Without Curve keys only loopback
+    addresses are allowed unless ``insecure`` is set."""
+
+    insecure: bool = False
+    """Allow a non-loopback bind without CurveZMQ (traffic unauthenticated and in clear)."""
+
+    secret_key_file: str | None = None
+    """The syncer's ``.key_secret`` file from ``rackmend keygen``; turns CurveZMQ on."""
+
+    allowed_keys_dir: str | None = None
+    """Directory of learners' public ``.key`` files; only those may connect (needs
+    ``secret_key_file``)."""
+
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; None disables them."""
+
+    checkpoint_every: int = 50
+    """Write a checkpoint every this many merges (and always on SIGTERM/SIGINT)."""
+
+    resume: bool = False
+    """Start from the checkpoint in ``checkpoint_dir`` (an error if there is none)."""
+
+    heartbeat_timeout: float = 10.0
+    """Seconds without any message after which a learner rank counts as gone and
+    rounds stop waiting for it. Learners send heartbeats every second by default;
+    set this to several heartbeat periods so a busy learner is not dropped."""
+
+    max_message_bytes: int = 1 << 31
+    """Messages larger than this are refused by ZeroMQ before they are read."""
+
+    log_path: str | None = None
+    """JSONL file of every event (merges, joins, rejections); None: not written."""
+
+    def validate(self) -> None:
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be >= 1 merges, got {self.checkpoint_every}")
+        if self.heartbeat_timeout <= 0:
+            raise ConfigError(f"heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("resume needs checkpoint_dir (where to find the checkpoint)")
+        if self.allowed_keys_dir and not self.secret_key_file:
+            raise ConfigError("allowed_keys_dir needs secret_key_file: Curve authentication needs the syncer's key")
+        if not self.secret_key_file and not self.insecure and not _is_loopback(self.bind):
+            raise ConfigError(
+                f"bind={self.bind!r} is not a loopback address and no Curve key is set: traffic would be "
+                "unauthenticated; pass --secret-key (see `rackmend keygen`) or --insecure")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+
+def _is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', interface names, host names: not provably loopback
+
+
+@dataclass
+class _Peer:
+    learner_id: str
+    rank: int
+    last_seen: float
+
+
+@dataclass
+class _Pending:
+    """Layout offered by the first learner while its initial values are on the way."""
+
+    layout: list[FragmentSpec]
+    values: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    waiting: list[tuple[bytes, Any]] = field(default_factory=list)
+
+
+class SyncerService:
+    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread)."""
+
+    def __init__(self, config: RackmendConfig, service: ServiceConfig,
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.service = service
+        self.clock = clock
+        self.core: SyncerCore | None = None
+        self.peers: dict[bytes, _Peer] = {}
+        self.rejected_messages = 0
+        self.merges = 0
+        self._pending: _Pending | None = None
+        self._stop = threading.Event()
+        self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
+        self._ctx = zmq.Context.instance()
+        self._auth: Any = None
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner rank takes its identity back
+        self.sock.setsockopt(zmq.MAXMSGSIZE, service.max_message_bytes)
+        self._setup_curve()
+        self.sock.bind(service.bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if service.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ running
+    def serve(self) -> None:
+        """Run the loop; returns after ``stop()`` or a signal, with a checkpoint written."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
+        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                timeout = 0.1
+                deadline = self.core.next_deadline() if self.core else None
+                if deadline is not None:
+                    timeout = min(timeout, max(0.0, deadline - self.clock()))
+                if poller.poll(timeout * 1000):
+                    # Drain what is queued before ticking, so a burst is one pass.
+                    for _ in range(1000):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                self._check_silence()
+                if self.core is not None:
+                    self._drive(Tick())
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ messages
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        ident, body = frames[0].bytes, frames[1:]
+        try:
+            msg = wire.decode_header(body, wire.LEARNER_TYPES, self.service.max_message_bytes)
+            self._handle(ident, msg)
+        except wire.WireError as exc:
+            self.rejected_messages += 1
+            self._event("bad_message", peer=ident.hex(), reason=str(exc))
+            self._send(ident, wire.encode({"type": "error", "code": "bad_message", "reason": str(exc)}))
+
+    def _handle(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        lid, rank = h["learner"], h["rank"]
+        if msg.type == "hello":
+            self._hello(ident, msg)
+            return
+        if msg.type == "init":
+            self._init(ident, msg)
+            return
+        peer = self.peers.get(ident)
+        if peer is None or peer.learner_id != lid or peer.rank != rank:
+            # Unknown to this syncer (it restarted, or the learner was declared silent).
+            self._send(ident, wire.encode({"type": "error", "code": "rejoin", "reason": "send hello first"}))
+            return
+        peer.last_seen = self.clock()
+        if msg.type == "heartbeat":
+            return
+        if msg.type == "leave":
+            del self.peers[ident]
+            if not self._ranks_of(lid):
+                self._drive(LearnerLeft(lid, "leave"))
+            return
+        assert msg.type == "contrib" and self.core is not None
+        self._drive(ContributionArrived(wire.parse_contribution(msg, self.core.fragments)))
+
+    def _hello(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        try:
+            layout = layout_from_wire(h.get("layout"))
+        except ValueError as exc:
+            raise wire.WireError(str(exc)) from None
+        if self.core is None:
+            if self._pending is None:
+                self._pending = _Pending(layout)
+                self._event("init_request", learner=h["learner"], fragments=len(layout))
+                self._send(ident, wire.encode({"type": "init_request"}))
+            if fingerprint(layout) != fingerprint(self._pending.layout):
+                raise wire.WireError("parameter layout differs from the first learner's")
+            self._pending.waiting.append((ident, msg))
+            return
+        if fingerprint(layout) != fingerprint(self.core.fragments):
+            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason":
+                       "the learner's parameter layout (model or fragment count) differs from the syncer's"}))
+            raise wire.WireError(f"learner {h['learner']}: layout does not match the syncer's")
+        lid, rank = h["learner"], h["rank"]
+        for other, peer in list(self.peers.items()):
+            if peer.learner_id == lid and peer.rank == rank and other != ident:
+                del self.peers[other]  # the same rank came back under a new connection
+        self.peers[ident] = _Peer(lid, rank, self.clock())
+        for action in self.core.handle(LearnerJoined(lid), self.clock()):
+            if isinstance(action, LogRecord):
+                self._record(action.record)
+        for upd in self.core.current:
+            self._send(ident, wire.update_frames(upd, reset=True))
+
+    def _init(self, ident: bytes, msg: wire.Message) -> None:
+        pend = self._pending
+        if self.core is not None or pend is None:
+            return  # a late or unasked-for init: the syncer already has its state
+        p = msg.header.get("fragment")
+        if not isinstance(p, int) or not 0 <= p < len(pend.layout):
+            raise wire.WireError(f"init for unknown fragment {p!r}")
+        tensors = wire.parse_tensors(msg, pend.layout[p])
+        pend.values[p] = tuple(t.clone() for t in tensors)
+        if len(pend.values) == len(pend.layout):
+            self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))])
+            self._event("initialised", learner=msg.header["learner"])
+            self._pending = None
+            for waiting_ident, hello in pend.waiting:
+                self._hello(waiting_ident, hello)
+
+    # ------------------------------------------------------------------ core driving
+    def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]]) -> None:
+        self.core = SyncerCore(self.config, layout, values)
+
+    def _drive(self, event: Event) -> None:
+        assert self.core is not None
+        t0 = self.clock()
+        merged: list[int] = []
+        for action in self.core.handle(event, t0):
+            if isinstance(action, SendUpdate):
+                frames = None
+                for ident, peer in self.peers.items():
+                    if peer.learner_id in action.to:
+                        frames = frames or wire.update_frames(action.update)
+                        self._send(ident, frames)
+            elif isinstance(action, LogRecord):
+                self._record(action.record)
+                if action.record["event"] == "merge":
+                    merged.append(action.record["fragment"])
+        if merged:
+            seconds = (self.clock() - t0) / len(merged)
+            for p in merged:
+                self.core.handle(SyncTimed(p, seconds), self.clock())
+            before = self.merges // self.service.checkpoint_every
+            self.merges += len(merged)
+            if self.merges // self.service.checkpoint_every > before:
+                self.checkpoint()
+
+    def _ranks_of(self, lid: str) -> list[bytes]:
+        return [i for i, p in self.peers.items() if p.learner_id == lid]
+
+    def _check_silence(self) -> None:
+        now = self.clock()
+        for ident, peer in list(self.peers.items()):
+            if now - peer.last_seen > self.service.heartbeat_timeout:
+                del self.peers[ident]
+                self._event("silent", learner=peer.learner_id, rank=peer.rank,
+                            seconds=round(now - peer.last_seen, 3))
+                if not self._ranks_of(peer.learner_id) and self.core is not None:
+                    self._drive(LearnerLeft(peer.learner_id, "silent"))
+
+    def _send(self, ident: bytes, frames: list[Any]) -> None:
+        try:
+            self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._event("send_dropped", peer=ident.hex(), reason="peer queue full")
+
+    # ------------------------------------------------------------------ state
+    def checkpoint(self) -> Path | None:
+        if self.core is None or not self.service.checkpoint_dir:
+            return None
+        tensors, meta = self.core.state_dict()
+        meta = {**meta, "layout": layout_to_wire(self.core.fragments), "merges": self.merges,
+                "rejected_messages": self.rejected_messages}
+        path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
+        self._event("checkpoint", path=str(path), versions=list(self.core.versions))
+        return path
+
+    def _resume(self) -> None:
+        loaded = load_checkpoint(self.service.checkpoint_dir or "")
+        if loaded is None:
+            raise ConfigError(f"resume: no checkpoint in {self.service.checkpoint_dir}")
+        tensors, meta = loaded
+        layout = layout_from_wire(meta["layout"])
+        values = [[tensors[f"theta/{p}/{i}"] for i in range(len(f.tensors))] for p, f in enumerate(layout)]
+        self._start_core(layout, values)
+        assert self.core is not None
+        self.core.load_state_dict(tensors, meta)
+        self.merges = int(meta.get("merges", 0))
+        self.rejected_messages = int(meta.get("rejected_messages", 0))
+        self._event("resumed", versions=list(self.core.versions))
+
+    def _setup_curve(self) -> None:
+        s = self.service
+        if not s.secret_key_file:
+            return
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(s.secret_key_file)
+        if secret is None:
+            raise ConfigError(f"{s.secret_key_file} holds no secret key; pass the .key_secret file")
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("rackmend.auth"))
+        self._auth.start()
+        if s.allowed_keys_dir:
+            self._auth.configure_curve(domain="*", location=s.allowed_keys_dir)
+        else:
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        self.sock.curve_server = True
+        self.sock.curve_publickey = public
+        self.sock.curve_secretkey = secret
+
+    def _shutdown(self) -> None:
+        try:
+            self.checkpoint()
+        finally:
+            self._event("stopped", merges=self.merges)
+            self.sock.close(linger=500)
+            if self._auth is not None:
+                self._auth.stop()
+            if self._log_file:
+                self._log_file.close()
+                self._log_file = None
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self._record({"event": event, "t": self.clock(), **fields})
+
+    def _record(self, record: dict) -> None:
+        if record["event"] in ("reject", "bad_message", "silent", "leave", "join"):
+            log.info("%s", record)
+        if self._log_file:
+            self._log_file.write(json.dumps(record) + "\n")
+            self._log_file.flush()

@@ -1,0 +1,191 @@
+"""The wire format between learners and the syncer: a msgpack header frame plus raw
+tensor frames, and the validation every received message goes through.
+
+Nothing here opens a socket; ``service`` and ``transport.zmq_link`` move the frames.
+Nothing received is ever unpickled: headers are msgpack maps of plain values checked
+field by field, tensor frames are raw little-endian bytes checked against the layout.
+See ``docs/protocol.md`` for the format as a table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
+from rackmend.core.fragments import dtype_name
+from rackmend.core.messages import Contribution, Update
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CODEC_NONE",
+    "MAX_HEADER_BYTES",
+    "WireError",
+    "Message",
+    "encode",
+    "decode_header",
+    "contribution_frames",
+    "update_frames",
+    "init_frames",
+    "parse_contribution",
+    "parse_tensors",
+    "layout_to_wire",
+    "layout_from_wire",
+]
+
+PROTOCOL_VERSION = 1
+CODEC_NONE = 0
+"""Codec id of uncompressed tensors; compression codecs get their own ids."""
+MAX_HEADER_BYTES = 1 << 20
+"""A header larger than this is refused before it is parsed (a layout of ~10k tensors fits)."""
+
+_LEARNER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave")
+SYNCER_TYPES = ("update", "init_request", "error")
+
+
+class WireError(ValueError):
+    """A received message is malformed; the text says which field and why."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded header and the tensor frames that followed it (not yet checked)."""
+
+    type: str
+    header: dict[str, Any]
+    frames: tuple[memoryview, ...]
+
+
+def encode(header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
+    """Frames for one message: the packed header, then each tensor's bytes without a copy."""
+    frames: list[Any] = [msgpack.packb({"proto": PROTOCOL_VERSION, **header}, use_bin_type=True)]
+    for t in tensors:
+        t = t.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        # bfloat16 has no numpy dtype; its bytes travel as int16 words unchanged.
+        frames.append(memoryview((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()).cast("B"))
+    return frames
+
+
+def _tensor_meta(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    return [{"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+            for t in tensors]
+
+
+def contribution_frames(c: Contribution, rank: int) -> list[Any]:
+    return encode({
+        "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
+        "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
+        "step_time": float(c.step_time), "codec": CODEC_NONE, "tensors": _tensor_meta(c.tensors),
+    }, c.tensors)
+
+
+def update_frames(u: Update, reset: bool = False) -> list[Any]:
+    """``reset``: an answer to a (re)join, adopted whatever version the learner holds."""
+    return encode({"type": "update", "fragment": u.fragment, "version": u.version, "codec": CODEC_NONE,
+                   "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
+
+
+def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    return encode({"type": "init", "learner": learner_id, "rank": rank, "fragment": fragment,
+                   "codec": CODEC_NONE, "tensors": _tensor_meta(tensors)}, tensors)
+
+
+# ------------------------------------------------------------------------ receiving
+def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...], *, minimum: float | None = None) -> Any:
+    if key not in h:
+        raise WireError(f"header lacks field {key!r}")
+    v = h[key]
+    if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+        raise WireError(f"field {key!r} must be {getattr(kind, '__name__', kind)}, got {type(v).__name__}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise WireError(f"field {key!r} must be finite, got {v}")
+    if minimum is not None and v < minimum:
+        raise WireError(f"field {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_bytes: int) -> Message:
+    """Unpack and check the header every message type shares; tensors come later."""
+    if not frames:
+        raise WireError("empty message")
+    views = tuple(memoryview(f.buffer if hasattr(f, "buffer") else f) for f in frames)
+    total = sum(v.nbytes for v in views)
+    if total > max_message_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    if views[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header of {views[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(views[0], raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise WireError("header must be a map")
+    proto = header.get("proto")
+    if proto != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {proto!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    kind = header.get("type")
+    if kind not in allowed:
+        raise WireError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(allowed)}")
+    if "learner" in header or kind in LEARNER_TYPES:
+        lid = _field(header, "learner", str)
+        if not _LEARNER_ID.match(lid):
+            raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        _field(header, "rank", int, minimum=0)
+    return Message(kind, header, views[1:])
+
+
+def parse_tensors(msg: Message, spec: FragmentSpec) -> tuple[torch.Tensor, ...]:
+    """Tensor frames of ``msg`` checked against ``spec`` and viewed without a copy."""
+    h = msg.header
+    codec = _field(h, "codec", int)
+    if codec != CODEC_NONE:
+        raise WireError(f"codec id {codec} is not enabled on this syncer")
+    meta = _field(h, "tensors", list)
+    if len(meta) != len(spec.tensors) or len(msg.frames) != len(spec.tensors):
+        raise WireError(f"fragment {spec.index} has {len(spec.tensors)} tensors; header lists "
+                        f"{len(meta)}, message carries {len(msg.frames)} frames")
+    out = []
+    for m, s, frame in zip(meta, spec.tensors, msg.frames):
+        if not isinstance(m, dict):
+            raise WireError("tensor entry must be a map")
+        if m.get("dtype") != dtype_name(s.dtype) or m.get("shape") != list(s.shape):
+            raise WireError(f"{s.name}: expected {dtype_name(s.dtype)} {list(s.shape)}, "
+                            f"got {str(m.get('dtype'))[:20]} {str(m.get('shape'))[:60]}")
+        if m.get("nbytes") != s.nbytes or frame.nbytes != s.nbytes:
+            raise WireError(f"{s.name}: {s.nbytes} bytes expected, header declares {str(m.get('nbytes'))[:20]}, "
+                            f"frame has {frame.nbytes}")
+        if s.nbytes == 0:
+            out.append(torch.empty(s.shape, dtype=s.dtype))
+            continue
+        wire_dtype = torch.int16 if s.dtype == torch.bfloat16 else s.dtype
+        with warnings.catch_warnings():  # read-only frames are fine: nobody writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(frame, dtype=wire_dtype).view(s.shape)
+        out.append(t.view(torch.bfloat16) if s.dtype == torch.bfloat16 else t)
+    return tuple(out)
+
+
+def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contribution:
+    h = msg.header
+    p = _field(h, "fragment", int, minimum=0)
+    if p >= len(fragments):
+        raise WireError(f"unknown fragment {p} (the layout has {len(fragments)})")
+    return Contribution(
+        learner_id=h["learner"],
+        fragment=p,
+        base_version=_field(h, "base_version", int, minimum=0),
+        step=_field(h, "step", int, minimum=0),
+        c_steps=_field(h, "c_steps", int, minimum=0),
+        c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
+        step_time=float(_field(h, "step_time", (int, float), minimum=0)),
+        tensors=parse_tensors(msg, fragments[p]),
+    )

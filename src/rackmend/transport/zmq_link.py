@@ -1,0 +1,185 @@
+"""A learner's link to a ``rackmend syncer`` over ZeroMQ (one DEALER per learner rank).
+
+An I/O thread owns the DEALER socket: it sends what the training thread queues (over
+an inproc pipe, without copying tensor bytes), sends heartbeats, answers the syncer's
+requests (initial values, rejoin after a syncer restart) and checks every update
+against the layout before the training thread sees it. ZeroMQ reconnects on its own,
+so a syncer that goes away and comes back needs nothing from the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import zmq
+
+from rackmend.core.fragments import FragmentSpec, fingerprint, layout_to_wire
+from rackmend.core.messages import Contribution, Update
+from rackmend.transport import wire
+from rackmend.transport.base import QueueLink, TransportError
+
+__all__ = ["ZmqLink", "CurveClientKeys"]
+
+log = logging.getLogger("rackmend.link")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveClientKeys:
+    """CurveZMQ keys of a learner: its own pair and the syncer's public key (Z85 text)."""
+
+    public: bytes
+    """This learner's public key."""
+    secret: bytes
+    """This learner's secret key."""
+    server_public: bytes
+    """The syncer's public key (from its ``.key`` file)."""
+
+
+class ZmqLink(QueueLink):
+    """LearnerLink over ZeroMQ. ``endpoint`` like ``tcp://127.0.0.1:5555``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        rank: int = 0,
+        heartbeat_s: float = 1.0,
+        curve: CurveClientKeys | None = None,
+        max_message_bytes: int = 1 << 31,
+    ) -> None:
+        super().__init__(lambda: self._error)
+        self.endpoint = endpoint
+        self.rank = rank
+        self.heartbeat_s = heartbeat_s
+        self.max_message_bytes = max_message_bytes
+        self.learner_id: str | None = None
+        self._curve = curve
+        self._error: BaseException | None = None
+        self._ctx = zmq.Context.instance()
+        pipe = f"inproc://rackmend-link-{uuid.uuid4().hex}"
+        self._pipe_out = self._ctx.socket(zmq.PAIR)
+        self._pipe_out.bind(pipe)
+        self._pipe_name = pipe
+        self._fragments: list[FragmentSpec] = []
+        self._initial: list[list[torch.Tensor]] = []
+        self._hello: list[Any] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ LearnerLink
+    def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+        self.learner_id = learner_id
+        self._fragments = list(fragments)
+        self._initial = [[t.detach().cpu().clone() for t in ts] for ts in initial]
+        self._hello = wire.encode({
+            "type": "hello", "learner": learner_id, "rank": self.rank, "layout": layout_to_wire(fragments),
+            "fingerprint": fingerprint(fragments),
+        })
+        self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
+        self._thread.start()
+        got: dict[int, Update] = {}
+        end = time.monotonic() + timeout
+        while len(got) < len(fragments):
+            upd = self._get(end)
+            if upd is None:
+                raise TransportError(
+                    f"join of {learner_id}: no answer from the syncer at {self.endpoint} within {timeout}s "
+                    "(is `rackmend syncer` running there, and are the keys right?)")
+            got[upd.fragment] = upd
+        return list(got.values())
+
+    def send(self, contribution: Contribution) -> None:
+        frames = wire.contribution_frames(contribution, self.rank)
+        self._pipe_out.send_multipart(frames, copy=False)
+
+    def leave(self) -> None:
+        if self._thread is None:
+            return
+        if self._thread.is_alive():
+            self._pipe_out.send_multipart(wire.encode({"type": "leave", "learner": self.learner_id,
+                                                       "rank": self.rank}))
+            self._pipe_out.send_multipart([b"STOP"])
+            self._thread.join(5.0)
+        self._pipe_out.close(linger=0)
+        self._thread = None
+
+    close = leave
+
+    # ------------------------------------------------------------------ I/O thread
+    def _run(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        pipe = self._ctx.socket(zmq.PAIR)
+        try:
+            dealer.setsockopt(zmq.LINGER, 2000)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            if self._curve is not None:
+                dealer.curve_publickey = self._curve.public
+                dealer.curve_secretkey = self._curve.secret
+                dealer.curve_serverkey = self._curve.server_public
+            dealer.connect(self.endpoint)
+            pipe.connect(self._pipe_name)
+            poller = zmq.Poller()
+            poller.register(dealer, zmq.POLLIN)
+            poller.register(pipe, zmq.POLLIN)
+            self._send(dealer, self._hello)
+            next_beat = time.monotonic() + self.heartbeat_s
+            beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
+            while True:
+                ready = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if pipe in ready:
+                    frames = pipe.recv_multipart(copy=False)
+                    if frames[0].bytes == b"STOP":
+                        return
+                    self._send(dealer, frames)
+                if dealer in ready:
+                    self._receive(dealer, dealer.recv_multipart(copy=False))
+                if time.monotonic() >= next_beat:
+                    self._send(dealer, beat)
+                    next_beat = time.monotonic() + self.heartbeat_s
+        except BaseException as exc:  # surfaced to the training thread by _get
+            log.exception("link I/O thread failed")
+            self._error = exc
+        finally:
+            dealer.close()
+            pipe.close()
+
+    def _send(self, dealer: zmq.Socket, frames: Sequence[Any]) -> None:
+        self.bytes_sent += sum(len(f) if isinstance(f, (bytes, memoryview)) else len(f.buffer) for f in frames)
+        dealer.send_multipart(frames, copy=False)
+
+    def _receive(self, dealer: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        self.bytes_received += sum(len(f.buffer) for f in frames)
+        try:
+            msg = wire.decode_header(frames, wire.SYNCER_TYPES, self.max_message_bytes)
+            if msg.type == "update":
+                p = msg.header.get("fragment")
+                if not isinstance(p, int) or not 0 <= p < len(self._fragments):
+                    raise wire.WireError(f"update for unknown fragment {p!r}")
+                version = msg.header.get("version")
+                if not isinstance(version, int) or version < 0:
+                    raise wire.WireError(f"update has a bad version {version!r}")
+                tensors = wire.parse_tensors(msg, self._fragments[p])
+                self._box.put(Update(p, version, tensors, reset=bool(msg.header.get("reset", False))))
+            elif msg.type == "init_request":
+                for p, values in enumerate(self._initial):
+                    self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
+            elif msg.type == "error":
+                code, reason = msg.header.get("code"), str(msg.header.get("reason", ""))[:500]
+                if code == "rejoin":
+                    log.info("syncer asks %s to join again (it restarted?); sending hello", self.learner_id)
+                    self._send(dealer, self._hello)
+                elif code == "fatal":
+                    self._error = TransportError(f"the syncer refused {self.learner_id}: {reason}")
+                else:
+                    log.warning("syncer rejected a message from %s: %s", self.learner_id, reason)
+        except wire.WireError as exc:
+            log.warning("dropped a malformed message from the syncer: %s", exc)

@@ -1,0 +1,76 @@
+"""A learner process for the service tests: TinyLM through a ZmqLink to a syncer.
+
+python tests/_learner_proc.py --endpoint tcp://127.0.0.1:PORT --id l0 --steps 12 ...
+Writes the final parameters (safetensors) to --out and its step count to --progress
+after every step, so tests can watch it without sharing memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import batch, make_inner, make_model  # noqa: E402
+
+from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig  # noqa: E402
+from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--id", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--H", type=int, default=3)
+    p.add_argument("--P", type=int, default=2)
+    p.add_argument("--tau", type=int, default=1)
+    p.add_argument("--learners", default="")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--progress", type=Path)
+    p.add_argument("--keys", nargs=3, metavar=("PUBLIC_FILE", "SECRET_FILE", "SERVER_PUBLIC_FILE"))
+    p.add_argument("--join-timeout", type=float, default=30.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    ids = tuple(x for x in a.learners.split(",") if x)
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),
+        syncer=SyncerConfig(min_quorum=max(1, len(ids)) if a.deterministic else 1, learners=ids),
+        learner=LearnerConfig(wait_timeout=a.join_timeout),
+        deterministic=a.deterministic,
+    )
+    curve = None
+    if a.keys:
+        import zmq.auth
+
+        pub, sec = zmq.auth.load_certificate(a.keys[1])
+        server_pub, _ = zmq.auth.load_certificate(a.keys[2])
+        curve = CurveClientKeys(public=pub, secret=sec, server_public=server_pub)
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, curve=curve, heartbeat_s=0.2),
+                            learner_id=a.id)
+    for t in range(1, a.steps + 1):
+        x, y, tokens = batch(a.id, t)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step(tokens=tokens)
+        if a.progress:
+            a.progress.write_text(f"{t} {' '.join(map(str, opt.versions))}")
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+    opt.close()
+    if a.out:
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

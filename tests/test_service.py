@@ -1,0 +1,180 @@
+"""The syncer service with real processes on 127.0.0.1: deterministic equality with
+the reference, a SIGKILLed learner, a SIGKILLed and resumed syncer, Curve keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+
+from helpers import batch, make_inner, make_model
+from reference import reference_run
+
+HERE = Path(__file__).parent
+LEARNER = [sys.executable, str(HERE / "_learner_proc.py")]
+SYNCER = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str,
+             alive: tuple[subprocess.Popen, ...] = ()) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        dead = [p.args[-1] for p in alive if p.poll() is not None]
+        assert not dead, f"a process exited while waiting for {what}"
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Procs:
+    """Processes this test started; all killed at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], name: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.out", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.started.append(proc)
+        return proc
+
+    def syncer(self, *flags: str, name: str = "syncer") -> tuple[subprocess.Popen, str]:
+        ready = self.tmp / f"{name}.endpoint"
+        ready.unlink(missing_ok=True)
+        proc = self.start([*SYNCER, "--ready-file", str(ready), "--log", str(self.tmp / "events.jsonl"), *flags], name)
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 30, "the syncer to listen")
+        assert proc.poll() is None, (self.tmp / f"{name}.out").read_text()
+        return proc, ready.read_text()
+
+    def learner(self, endpoint: str, lid: str, *flags: str, name: str | None = None) -> subprocess.Popen:
+        return self.start([*LEARNER, "--endpoint", endpoint, "--id", lid, *flags], name or lid)
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.out").read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        for p in self.started:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    pr = Procs(tmp_path)
+    yield pr
+    pr.kill_all()
+
+
+def events(tmp: Path) -> list[dict]:
+    path = tmp / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def progress(path: Path) -> tuple[int, list[int]]:
+    try:
+        step, *versions = path.read_text().split()
+        return int(step), [int(v) for v in versions]
+    except (FileNotFoundError, ValueError):
+        return 0, []
+
+
+def finish(proc: subprocess.Popen, procs: Procs, name: str, timeout: float = 60) -> None:
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} did not finish in {timeout}s:\n{procs.output(name)[-3000:]}") from None
+    assert rc == 0, f"{name} exited {rc}:\n{procs.output(name)[-3000:]}"
+
+
+@pytest.mark.parametrize("P,tau", [(1, 0), (2, 1)])
+def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int) -> None:
+    ids = ["l0", "l1", "l2"]
+    H, steps = 3, 12
+    _, endpoint = procs.syncer("--deterministic", "--min-quorum", "3", "--learners", ",".join(ids),
+                               "--overlap", str(tau))
+    learners = {lid: procs.learner(endpoint, lid, "--steps", str(steps), "--H", str(H), "--P", str(P),
+                                   "--tau", str(tau), "--deterministic", "--learners", ",".join(ids),
+                                   "--out", str(tmp_path / f"{lid}.safetensors")) for lid in ids}
+    for lid, proc in learners.items():
+        finish(proc, procs, lid, timeout=120)
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+                            syncer=SyncerConfig(min_quorum=3, learners=tuple(ids)), deterministic=True)
+    torch.set_num_threads(1)
+    ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref_models[lid].state_dict().items():
+            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
+
+
+def test_sigkilled_learner_stalls_nobody_and_rejoins(procs: Procs, tmp_path: Path) -> None:
+    _, endpoint = procs.syncer("--min-quorum", "1", "--learners", "l0,l1", "--grace-max", "0.5",
+                               "--heartbeat-timeout", "1.5")
+    pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
+    a = procs.learner(endpoint, "l0", "--steps", "400", "--step-sleep", "0.02", "--progress", str(pa))
+    b = procs.learner(endpoint, "l1", "--steps", "100000", "--step-sleep", "0.02", "--progress", str(pb))
+    wait_for(lambda: progress(pb)[0] >= 30, 60, "learner l1 to take 30 steps", (a, b))
+    b.send_signal(signal.SIGKILL)
+    b.wait(10)
+    step_a = progress(pa)[0]
+    wait_for(lambda: progress(pa)[0] >= step_a + 40, 30, "learner l0 to keep stepping after l1 died", (a,))
+    wait_for(lambda: any(e["event"] == "silent" and e["learner"] == "l1" for e in events(tmp_path)), 10,
+             "the syncer to notice l1 went silent")
+    # Restart b under the same id: it joins with the current global value.
+    b2 = procs.learner(endpoint, "l1", "--steps", "60", "--step-sleep", "0.01", "--progress", str(pb), name="b2")
+    finish(b2, procs, "b2")
+    finish(a, procs, "l0", timeout=90)
+    ev = events(tmp_path)
+    grace = [e["wait_s"] for e in ev if e["event"] == "merge"]
+    assert max(grace) <= 0.5 + 0.5, f"a round waited {max(grace):.2f}s, beyond the grace bound"
+    joins_b = [e for e in ev if e["event"] == "join" and e["learner"] == "l1"]
+    assert len(joins_b) >= 2
+    rejoin_t = joins_b[-1]["t"]
+    assert any("l1" in e["merged"] and e["t"] > rejoin_t for e in ev if e["event"] == "merge"), \
+        "b's contributions did not merge again after it rejoined"
+
+
+def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    flags = ("--min-quorum", "1", "--learners", "l0,l1", "--grace-max", "0.3", "--checkpoint-dir", str(ck),
+             "--checkpoint-every", "4")
+    s1, endpoint = procs.syncer(*flags)
+    port = endpoint.rsplit(":", 1)[1]
+    pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
+    a = procs.learner(endpoint, "l0", "--steps", "500", "--step-sleep", "0.02", "--progress", str(pa))
+    b = procs.learner(endpoint, "l1", "--steps", "500", "--step-sleep", "0.02", "--progress", str(pb))
+    wait_for(lambda: any(e["event"] == "checkpoint" for e in events(tmp_path)), 60, "a first checkpoint", (a, b))
+    s1.send_signal(signal.SIGKILL)
+    s1.wait(10)
+    saved = [e for e in events(tmp_path) if e["event"] == "checkpoint"][-1]["versions"]
+    step_a = progress(pa)[0]
+    wait_for(lambda: progress(pa)[0] >= step_a + 20, 30, "learner l0 to keep stepping without a syncer", (a,))
+    s2, _ = procs.syncer(*flags, "--resume", "--bind", f"tcp://127.0.0.1:{port}", name="syncer2")
+    resumed = [e for e in events(tmp_path) if e["event"] == "resumed"][-1]
+    assert resumed["versions"] == saved, "versions did not continue from the checkpoint"
+    t_resume = resumed["t"]
+    wait_for(lambda: {lid for e in events(tmp_path) if e["event"] == "merge" and e["t"] > t_resume
+                      for lid in e["merged"]} >= {"l0", "l1"}, 60, "both learners to merge with the resumed syncer")
+    after = [e for e in events(tmp_path) if e["event"] == "merge" and e["t"] > t_resume]
+    assert all(e["version"] > saved[e["fragment"]] for e in after)
+    s2.send_signal(signal.SIGTERM)
+    assert s2.wait(20) == 0
+    assert [e for e in events(tmp_path) if e["event"] == "stopped"], "no clean stop after SIGTERM"
+    finish(a, procs, "l0", 90)
+    finish(b, procs, "l1", 90)
