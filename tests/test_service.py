@@ -178,3 +178,26 @@ def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: 
     assert [e for e in events(tmp_path) if e["event"] == "stopped"], "no clean stop after SIGTERM"
     finish(a, procs, "l0", 90)
     finish(b, procs, "l1", 90)
+
+
+def test_curve_admits_only_allowed_learner_keys(procs: Procs, tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("syncer", "l0", "intruder"):
+        subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name], check=True,
+                       capture_output=True, timeout=60)
+    allowed.mkdir()
+    (allowed / "l0.key").write_bytes((keys / "l0.key").read_bytes())
+    _, endpoint = procs.syncer("--secret-key", str(keys / "syncer.key_secret"), "--allowed-keys", str(allowed),
+                               "--learners", "l0", "--grace-max", "0.2")
+    ok = procs.learner(endpoint, "l0", "--steps", "24", "--keys", str(keys / "l0.key"),
+                       str(keys / "l0.key_secret"), str(keys / "syncer.key"))
+    bad = procs.learner(endpoint, "l1", "--steps", "24", "--join-timeout", "4", "--keys", str(keys / "intruder.key"),
+                        str(keys / "intruder.key_secret"), str(keys / "syncer.key"), name="intruder")
+    plain = procs.learner(endpoint, "l2", "--steps", "24", "--join-timeout", "4", name="plain")
+    finish(ok, procs, "l0")
+    assert bad.wait(60) != 0 and "no answer from the syncer" in procs.output("intruder")
+    assert plain.wait(60) != 0 and "no answer from the syncer" in procs.output("plain")
+    ev = events(tmp_path)
+    assert any(e["event"] == "auth_denied" for e in ev), "the refused key was not logged"
+    assert {e["learner"] for e in ev if e["event"] == "join"} == {"l0"}
+    assert any(e["event"] == "merge" and e["merged"] == ["l0"] for e in ev)

@@ -77,7 +77,8 @@ class ServiceConfig:
     set this to several heartbeat periods so a busy learner is not dropped."""
 
     max_message_bytes: int = 1 << 31
-    """Messages larger than this are refused by ZeroMQ before they are read."""
+    """Messages larger than this are rejected (logged, answered); beyond twice this
+    ZeroMQ drops the sender's connection before reading the message into memory."""
 
     log_path: str | None = None
     """JSONL file of every event (merges, joins, rejections); None: not written."""
@@ -112,6 +113,25 @@ def _is_loopback(endpoint: str) -> bool:
         return False  # '*', interface names, host names: not provably loopback
 
 
+class _AuthLog:
+    """Logger for pyzmq's authenticator: it reports refusals at debug level only; an
+    operator needs to see them, so they become warnings and events."""
+
+    def __init__(self, on_denied: Callable[[str], None]) -> None:
+        self._log = logging.getLogger("rackmend.auth")
+        self._on_denied = on_denied
+
+    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        text = msg % args if args else msg
+        if "DENIED" in text:
+            self._on_denied(text)
+        else:
+            self._log.debug(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+
 @dataclass
 class _Peer:
     learner_id: str
@@ -143,12 +163,16 @@ class SyncerService:
         self._pending: _Pending | None = None
         self._stop = threading.Event()
         self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
+        self._log_lock = threading.Lock()  # the authenticator's thread logs refusals too
         self._ctx = zmq.Context.instance()
         self._auth: Any = None
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner rank takes its identity back
-        self.sock.setsockopt(zmq.MAXMSGSIZE, service.max_message_bytes)
+        # ZeroMQ's own cap is twice the limit: a message just over the limit still reaches
+        # the validator and gets a logged, answered rejection; a far bigger one is cut off
+        # by ZeroMQ (the connection dropped) before it can use the memory.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * service.max_message_bytes)
         self._setup_curve()
         self.sock.bind(service.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -210,6 +234,7 @@ class SyncerService:
         peer = self.peers.get(ident)
         if peer is None or peer.learner_id != lid or peer.rank != rank:
             # Unknown to this syncer (it restarted, or the learner was declared silent).
+            self._event("unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
             self._send(ident, wire.encode({"type": "error", "code": "rejoin", "reason": "send hello first"}))
             return
         peer.last_seen = self.clock()
@@ -286,6 +311,10 @@ class SyncerService:
                         self._send(ident, frames)
             elif isinstance(action, LogRecord):
                 self._record(action.record)
+                if action.record["event"] == "reject":
+                    reason = f"contribution rejected: {action.record['reason']}"
+                    for ident in self._ranks_of(action.record["learner"]):
+                        self._send(ident, wire.encode({"type": "error", "code": "rejected", "reason": reason}))
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
         if merged:
@@ -351,7 +380,8 @@ class SyncerService:
         public, secret = zmq.auth.load_certificate(s.secret_key_file)
         if secret is None:
             raise ConfigError(f"{s.secret_key_file} holds no secret key; pass the .key_secret file")
-        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("rackmend.auth"))
+        self._auth = ThreadAuthenticator(
+            self._ctx, log=_AuthLog(lambda text: self._event("auth_denied", reason=text)))  # type: ignore[arg-type]
         self._auth.start()
         if s.allowed_keys_dir:
             self._auth.configure_curve(domain="*", location=s.allowed_keys_dir)
@@ -369,16 +399,20 @@ class SyncerService:
             self.sock.close(linger=500)
             if self._auth is not None:
                 self._auth.stop()
-            if self._log_file:
-                self._log_file.close()
-                self._log_file = None
+            with self._log_lock:
+                if self._log_file:
+                    self._log_file.close()
+                    self._log_file = None
 
     def _event(self, event: str, **fields: Any) -> None:
         self._record({"event": event, "t": self.clock(), **fields})
 
     def _record(self, record: dict) -> None:
-        if record["event"] in ("reject", "bad_message", "silent", "leave", "join"):
+        if record["event"] == "auth_denied":
+            log.warning("refused a connection: %s", record["reason"])
+        elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join"):
             log.info("%s", record)
-        if self._log_file:
-            self._log_file.write(json.dumps(record) + "\n")
-            self._log_file.flush()
+        with self._log_lock:
+            if self._log_file:
+                self._log_file.write(json.dumps(record) + "\n")
+                self._log_file.flush()
