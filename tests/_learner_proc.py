@@ -8,6 +8,7 @@ after every step, so tests can watch it without sharing memory.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,10 @@ def main() -> int:
     p.add_argument("--join-timeout", type=float, default=30.0)
     a = p.parse_args()
     torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:  # launched by torchrun: one learner, several ranks
+        torch.distributed.init_process_group("gloo")
     ids = tuple(x for x in a.learners.split(",") if x)
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),
@@ -54,20 +59,23 @@ def main() -> int:
         server_pub, _ = zmq.auth.load_certificate(a.keys[2])
         curve = CurveClientKeys(public=pub, secret=sec, server_public=server_pub)
     model = make_model()
-    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, curve=curve, heartbeat_s=0.2),
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, rank=rank, world_size=world, curve=curve, heartbeat_s=0.2),
                             learner_id=a.id)
     for t in range(1, a.steps + 1):
-        x, y, tokens = batch(a.id, t)
+        x, y, tokens = batch(a.id, t)  # every rank the same batch: stays equal to a 1-rank learner
+        tokens //= world  # tokens of this rank; the wrapper counts the learner's total
         loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         opt.step(tokens=tokens)
-        if a.progress:
+        if a.progress and rank == 0:
             a.progress.write_text(f"{t} {' '.join(map(str, opt.versions))}")
         if a.step_sleep:
             time.sleep(a.step_sleep)
     opt.close()
-    if a.out:
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if a.out and rank == 0:
         save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(a.out))
     return 0
 

@@ -100,15 +100,22 @@ def finish(proc: subprocess.Popen, procs: Procs, name: str, timeout: float = 60)
     assert rc == 0, f"{name} exited {rc}:\n{procs.output(name)[-3000:]}"
 
 
-@pytest.mark.parametrize("P,tau", [(1, 0), (2, 1)])
-def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int) -> None:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize("P,tau,ranks", [(1, 0, 1), (2, 1, 1), (4, 1, 2)])
+def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int,
+                                                     ranks: int) -> None:
+    """ranks=2: each learner is a torchrun job of 2 gloo ranks, fragments striped over them."""
     ids = ["l0", "l1", "l2"]
     H, steps = 3, 12
     _, endpoint = procs.syncer("--deterministic", "--min-quorum", "3", "--learners", ",".join(ids),
                                "--overlap", str(tau))
-    learners = {lid: procs.learner(endpoint, lid, "--steps", str(steps), "--H", str(H), "--P", str(P),
-                                   "--tau", str(tau), "--deterministic", "--learners", ",".join(ids),
-                                   "--out", str(tmp_path / f"{lid}.safetensors")) for lid in ids}
+    launcher = LEARNER if ranks == 1 else [*TORCHRUN, *LEARNER[1:]]
+    learners = {lid: procs.start([*launcher, "--endpoint", endpoint, "--id", lid, "--steps", str(steps),
+                                  "--H", str(H), "--P", str(P), "--tau", str(tau), "--deterministic",
+                                  "--learners", ",".join(ids), "--out", str(tmp_path / f"{lid}.safetensors")], lid)
+                for lid in ids}
     for lid, proc in learners.items():
         finish(proc, procs, lid, timeout=120)
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
@@ -121,6 +128,10 @@ def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Pat
             assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
     merges = [e for e in events(tmp_path) if e["event"] == "merge"]
     assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
+    if ranks > 1:  # every fragment came from its owner rank: p mod 2
+        hellos = [e for e in events(tmp_path) if e["event"] == "join"]
+        assert len(hellos) == len(ids) * ranks
+        assert not [e for e in events(tmp_path) if e["event"] == "superseded"], "a fragment was sent twice"
 
 
 def test_sigkilled_learner_stalls_nobody_and_rejoins(procs: Procs, tmp_path: Path) -> None:

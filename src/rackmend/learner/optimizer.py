@@ -56,6 +56,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         *,
         learner_id: str,
         fragments: list[FragmentSpec] | None = None,
+        process_group: Any = None,
     ) -> None:
         # Deliberately no super().__init__: param_groups and state are the inner
         # optimizer's, exactly as torch's PostLocalSGDOptimizer does it.
@@ -64,6 +65,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.config = config
         self.link = link
         self.learner_id = learner_id
+        # Inside a multi-rank learner (torchrun), rank r owns fragments p = r mod world:
+        # only it sends them and talks to the syncer about them; merged values reach the
+        # other ranks by broadcast, at the same step on every rank.
+        self._group = process_group
+        dist = torch.distributed
+        self._dist = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.world_size = dist.get_world_size(process_group) if self._dist else 1
+        self.rank = dist.get_rank(process_group) if self._dist else 0
         sch = config.schedule
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing)
         named = dict(model.named_parameters())
@@ -167,11 +176,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         t = self.step_count
         for p in range(len(self.fragments)):
             self.c_steps[p] += 1
-            self.c_tokens[p] += tokens
+            self.c_tokens[p] += tokens * self.world_size  # ranks see equal batches: the learner's total
             self.c_time[p] += dt
         self._absorb(self.link.poll())
         for p in fragments_due(t, self.fragments, self.config.schedule.sync_every):
             self._send(p)
+        if self._dist:
+            self._apply_across_ranks(t)
+            self._last_step_end = time.perf_counter()
+            return
         tau = self.config.schedule.overlap
         for p in sorted(self._pending):
             pend = self._pending[p]
@@ -187,22 +200,91 @@ class RackmendOptimizer(torch.optim.Optimizer):
         # rides along with the next round instead of opening a round of its own.
         self._last_step_end = time.perf_counter()
 
+    def owns(self, p: int) -> bool:
+        """Whether this rank sends and receives fragment p."""
+        return p % self.world_size == self.rank
+
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.wait_timeout)
         got = {u.fragment: u for u in updates}
-        missing = [p for p in range(len(self.fragments)) if p not in got]
+        missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:
             raise TransportError(f"join: the syncer sent no value for fragments {missing}")
-        with torch.no_grad():
-            for p, upd in got.items():
+        for p in range(len(self.fragments)):
+            upd = self._broadcast(p, got.get(p) if self.owns(p) else None)
+            with torch.no_grad():
                 for param, value in zip(self._params[p], upd.tensors):
                     param.copy_(value)
-                self.held[p] = list(upd.tensors)
-                self.versions[p] = upd.version
+            self.held[p] = list(upd.tensors)
+            self.versions[p] = upd.version
+
+    def _broadcast(self, p: int, upd: Update | None) -> Update:
+        """The owner's value of fragment p on every rank (a no-op with one rank)."""
+        if not self._dist:
+            assert upd is not None
+            return upd
+        dist = torch.distributed
+        src = dist.get_global_rank(self._group, p % self.world_size) if self._group is not None else p % self.world_size
+        spec = self.fragments[p]
+        if self.owns(p):
+            assert upd is not None
+            version = torch.tensor([upd.version], dtype=torch.int64)
+            tensors = [t.clone() for t in upd.tensors]
+        else:
+            version = torch.zeros(1, dtype=torch.int64)
+            tensors = [torch.empty(t.shape, dtype=t.dtype) for t in spec.tensors]
+        backend_device = self._params[p][0].device if dist.get_backend(self._group) == "nccl" else None
+        for t in [version, *tensors]:
+            buf = t.to(backend_device) if backend_device is not None else t
+            dist.broadcast(buf, src, group=self._group)
+            if buf is not t:
+                t.copy_(buf.cpu())
+        return Update(p, int(version.item()), tuple(tensors), reset=upd.reset if upd is not None else False)
+
+    def _apply_across_ranks(self, t: int) -> None:
+        """One small all-reduce per step tells every rank which fragments change now
+        (1: apply a merged value, 2: adopt a rejoin value); owners then broadcast them."""
+        n = len(self.fragments)
+        tau = self.config.schedule.overlap
+        status = torch.zeros(n, dtype=torch.int64)
+        for p in range(n):
+            if not self.owns(p):
+                continue
+            arrived = self._arrived.get(p)
+            if arrived is not None and arrived.reset:
+                status[p] = 2
+                continue
+            pend = self._pending.get(p)
+            if pend is None or t < pend.t_send + tau:
+                continue
+            if arrived is None and self.config.deterministic:
+                self._arrived[p] = arrived = self._wait(p)
+            if arrived is not None:
+                status[p] = 1
+        dist = torch.distributed
+        if dist.get_backend(self._group) == "nccl":
+            dev = self._params[0][0].device
+            gathered = status.to(dev)
+            dist.all_reduce(gathered, group=self._group)
+            status = gathered.cpu()
+        else:
+            dist.all_reduce(status, group=self._group)
+        for p in range(n):
+            code = int(status[p])
+            if code == 0:
+                continue
+            upd = self._broadcast(p, self._arrived.pop(p, None) if self.owns(p) else None)
+            if code == 2:
+                self._adopt(upd)
+            else:
+                self._apply(p, upd, self._pending[p])
 
     def _absorb(self, updates: list[Update]) -> None:
         for upd in updates:
+            if upd.reset and self._dist:
+                self._arrived[upd.fragment] = upd  # adopted on every rank at once, next step
+                continue
             if upd.reset:
                 self._adopt(upd)
                 continue
@@ -248,6 +330,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         return buffers
 
     def _send(self, p: int) -> None:
+        if not self.owns(p):
+            # The owner rank sends; this rank only tracks the round so it applies in step.
+            keep = self._snapshot(p) if self.config.learner.apply == "keep_local" else None
+            if keep is not None and p in self._pinned:
+                keep = [t.clone() for t in keep]
+            self._pending[p] = _Pending(self.step_count, keep, (self.c_steps[p], self.c_tokens[p], self.c_time[p]))
+            return
         snapshot = self._snapshot(p)
         delta = tuple(h - s for h, s in zip(self.held[p], snapshot))
         steps = self.c_steps[p]

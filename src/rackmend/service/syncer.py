@@ -136,7 +136,11 @@ class _AuthLog:
 class _Peer:
     learner_id: str
     rank: int
+    world: int
     last_seen: float
+
+    def owns(self, fragment: int) -> bool:
+        return fragment % self.world == self.rank
 
 
 @dataclass
@@ -268,15 +272,19 @@ class SyncerService:
                        "the learner's parameter layout (model or fragment count) differs from the syncer's"}))
             raise wire.WireError(f"learner {h['learner']}: layout does not match the syncer's")
         lid, rank = h["learner"], h["rank"]
+        world = h.get("world", 1)
+        if not isinstance(world, int) or isinstance(world, bool) or not 0 <= rank < world:
+            raise wire.WireError(f"hello: rank {rank} and world {world!r} do not fit (need 0 <= rank < world)")
         for other, peer in list(self.peers.items()):
             if peer.learner_id == lid and peer.rank == rank and other != ident:
                 del self.peers[other]  # the same rank came back under a new connection
-        self.peers[ident] = _Peer(lid, rank, self.clock())
+        self.peers[ident] = peer = _Peer(lid, rank, world, self.clock())
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
             if isinstance(action, LogRecord):
                 self._record(action.record)
         for upd in self.core.current:
-            self._send(ident, wire.update_frames(upd, reset=True))
+            if peer.owns(upd.fragment):
+                self._send(ident, wire.update_frames(upd, reset=True))
 
     def _init(self, ident: bytes, msg: wire.Message) -> None:
         pend = self._pending
@@ -306,7 +314,7 @@ class SyncerService:
             if isinstance(action, SendUpdate):
                 frames = None
                 for ident, peer in self.peers.items():
-                    if peer.learner_id in action.to:
+                    if peer.learner_id in action.to and peer.owns(action.update.fragment):
                         frames = frames or wire.update_frames(action.update)
                         self._send(ident, frames)
             elif isinstance(action, LogRecord):

@@ -49,13 +49,18 @@ class ZmqLink(QueueLink):
         endpoint: str,
         *,
         rank: int = 0,
+        world_size: int = 1,
         heartbeat_s: float = 1.0,
         curve: CurveClientKeys | None = None,
         max_message_bytes: int = 1 << 31,
     ) -> None:
         super().__init__(lambda: self._error)
         self.endpoint = endpoint
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         self.rank = rank
+        self.world_size = world_size
+        """Ranks of this learner; this link carries fragments p with p % world_size == rank."""
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes = max_message_bytes
         self.learner_id: str | None = None
@@ -81,14 +86,16 @@ class ZmqLink(QueueLink):
         self._fragments = list(fragments)
         self._initial = [[t.detach().cpu().clone() for t in ts] for ts in initial]
         self._hello = wire.encode({
-            "type": "hello", "learner": learner_id, "rank": self.rank, "layout": layout_to_wire(fragments),
+            "type": "hello", "learner": learner_id, "rank": self.rank, "world": self.world_size,
+            "layout": layout_to_wire(fragments),
             "fingerprint": fingerprint(fragments),
         })
         self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
         self._thread.start()
         got: dict[int, Update] = {}
         end = time.monotonic() + timeout
-        while len(got) < len(fragments):
+        owned = sum(1 for p in range(len(fragments)) if p % self.world_size == self.rank)
+        while len(got) < owned:
             upd = self._get(end)
             if upd is None:
                 raise TransportError(
