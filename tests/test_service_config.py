@@ -1,0 +1,60 @@
+"""Syncer options: flag > environment > TOML file > default, and the safety checks."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rackmend.config import ConfigError
+from rackmend.service import ServiceConfig
+from rackmend.service.cli import OPTIONS, add_syncer_arguments, build, resolve
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_syncer_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_flag_beats_environment_beats_file_beats_default(tmp_path: Path) -> None:
+    f = tmp_path / "syncer.toml"
+    f.write_text('min_quorum = 2\nlearners = ["a", "b", "c"]\nouter_lr = 0.5\ngrace_max = 3.0\n')
+    env = {"RACKMEND_OUTER_LR": "0.25", "RACKMEND_GRACE_MAX": "1.5"}
+    values = resolve(parse("--config", str(f), "--grace-max", "0.75"), env)
+    assert values["grace_max"] == 0.75          # flag
+    assert values["outer_lr"] == 0.25           # environment over file
+    assert values["min_quorum"] == 2 and values["learners"] == ("a", "b", "c")  # file
+    assert values["merge"] == "mean"            # default
+    config, service = build(values)
+    assert config.syncer.min_quorum == 2 and service.bind == "tcp://127.0.0.1:5555"
+
+
+def test_bad_values_name_their_source(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="RACKMEND_MIN_QUORUM"):
+        resolve(parse(), {"RACKMEND_MIN_QUORUM": "three"})
+    f = tmp_path / "s.toml"
+    f.write_text("min_qorum = 2\n")
+    with pytest.raises(ConfigError, match="unknown options"):
+        resolve(parse("--config", str(f)), {})
+    with pytest.raises(ConfigError, match="min_quorum"):
+        build(resolve(parse("--min-quorum", "3", "--learners", "a,b"), {}))
+
+
+@pytest.mark.parametrize("bind", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555"])
+def test_non_loopback_bind_needs_keys_or_insecure(bind: str) -> None:
+    with pytest.raises(ConfigError, match="--insecure"):
+        ServiceConfig(bind=bind)
+    assert ServiceConfig(bind=bind, insecure=True).insecure
+    ServiceConfig(bind="tcp://127.0.0.1:0")
+    ServiceConfig(bind="tcp://[::1]:5555")
+
+
+def test_help_documents_every_option() -> None:
+    out = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    for o in OPTIONS:
+        assert "--" + o.name.replace("_", "-") in out and "RACKMEND_" + o.name.upper() in out
