@@ -178,7 +178,9 @@ def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: 
     wait_for(lambda: progress(pa)[0] >= step_a + 20, 30, "learner l0 to keep stepping without a syncer", (a,))
     s2, _ = procs.syncer(*flags, "--resume", "--bind", f"tcp://127.0.0.1:{port}", name="syncer2")
     resumed = [e for e in events(tmp_path) if e["event"] == "resumed"][-1]
-    assert resumed["versions"] == saved, "versions did not continue from the checkpoint"
+    # A checkpoint may have landed between its log line and the kill: never older, maybe newer.
+    assert all(r >= v for r, v in zip(resumed["versions"], saved)), "a checkpointed merge was lost"
+    saved = resumed["versions"]
     t_resume = resumed["t"]
     wait_for(lambda: {lid for e in events(tmp_path) if e["event"] == "merge" and e["t"] > t_resume
                       for lid in e["merged"]} >= {"l0", "l1"}, 60, "both learners to merge with the resumed syncer")
