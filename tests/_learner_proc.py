@@ -61,18 +61,23 @@ def main() -> int:
     model = make_model()
     opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, rank=rank, world_size=world, curve=curve, heartbeat_s=0.2),
                             learner_id=a.id)
-    for t in range(1, a.steps + 1):
-        x, y, tokens = batch(a.id, t)  # every rank the same batch: stays equal to a 1-rank learner
-        tokens //= world  # tokens of this rank; the wrapper counts the learner's total
-        loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step(tokens=tokens)
-        if a.progress and rank == 0:
-            a.progress.write_text(f"{t} {' '.join(map(str, opt.versions))}")
-        if a.step_sleep:
-            time.sleep(a.step_sleep)
-    opt.close()
+    try:
+        for t in range(1, a.steps + 1):
+            x, y, tokens = batch(a.id, t)  # every rank the same batch: stays equal to a 1-rank learner
+            tokens //= world  # tokens of this rank; the wrapper counts the learner's total
+            loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step(tokens=tokens)
+            if a.progress and rank == 0:
+                a.progress.write_text(f"{t} {' '.join(map(str, opt.versions))}")
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
+    except KeyboardInterrupt:
+        print("interrupted: leaving", flush=True)
+        return 130
+    finally:
+        opt.close()  # a graceful leave: rounds stop expecting this learner at once
     if world > 1:
         torch.distributed.destroy_process_group()
     if a.out and rank == 0:

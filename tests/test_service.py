@@ -214,3 +214,19 @@ def test_curve_admits_only_allowed_learner_keys(procs: Procs, tmp_path: Path) ->
     assert any(e["event"] == "auth_denied" for e in ev), "the refused key was not logged"
     assert {e["learner"] for e in ev if e["event"] == "join"} == {"l0"}
     assert any(e["event"] == "merge" and e["merged"] == ["l0"] for e in ev)
+
+
+def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--learners", "l0", "--grace-max", "0.2", "--checkpoint-dir", str(ck))
+    pl = tmp_path / "l0.progress"
+    learner = procs.learner(endpoint, "l0", "--steps", "100000", "--step-sleep", "0.01", "--progress", str(pl))
+    wait_for(lambda: progress(pl)[0] >= 20, 60, "the learner to step", (learner,))
+    learner.send_signal(signal.SIGINT)
+    assert learner.wait(15) == 130 and "interrupted: leaving" in procs.output("l0")
+    wait_for(lambda: any(e["event"] == "leave" and e["learner"] == "l0" and e["reason"] == "leave"
+                         for e in events(tmp_path)), 10, "the syncer to log the graceful leave")
+    syncer.send_signal(signal.SIGINT)
+    assert syncer.wait(15) == 0
+    assert (ck / "syncer.safetensors").exists()
+    assert [e for e in events(tmp_path) if e["event"] == "stopped"]
