@@ -59,7 +59,7 @@ def main() -> int:
         server_pub, _ = zmq.auth.load_certificate(a.keys[2])
         curve = CurveClientKeys(public=pub, secret=sec, server_public=server_pub)
     model = make_model()
-    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, rank=rank, world_size=world, curve=curve, heartbeat_s=0.2),
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink.from_env(a.endpoint, curve=curve, heartbeat_s=0.2),
                             learner_id=a.id)
     try:
         for t in range(1, a.steps + 1):

@@ -14,6 +14,7 @@ The transport is whatever ``LearnerLink`` is passed in; nothing here knows socke
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -54,7 +55,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         config: RackmendConfig,
         link: LearnerLink,
         *,
-        learner_id: str,
+        learner_id: str | None = None,
         fragments: list[FragmentSpec] | None = None,
         process_group: Any = None,
     ) -> None:
@@ -64,6 +65,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.model = model
         self.config = config
         self.link = link
+        learner_id = learner_id or os.environ.get("RACKMEND_LEARNER_ID")
+        if not learner_id:
+            raise ValueError("no learner id: pass learner_id=... or set RACKMEND_LEARNER_ID; "
+                             "keep it the same across restarts so the syncer knows the learner")
         self.learner_id = learner_id
         # Inside a multi-rank learner (torchrun), rank r owns fragments p = r mod world:
         # only it sends them and talks to the syncer about them; merged values reach the

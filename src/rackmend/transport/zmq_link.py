@@ -10,6 +10,7 @@ so a syncer that goes away and comes back needs nothing from the caller.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -78,6 +79,17 @@ class ZmqLink(QueueLink):
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    @classmethod
+    def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
+        """A link for this process as torchrun launched it: rank and world size from
+        ``RANK``/``WORLD_SIZE`` (1 rank without torchrun), the endpoint from the argument
+        or ``RACKMEND_CONNECT``."""
+        endpoint = endpoint or os.environ.get("RACKMEND_CONNECT")
+        if not endpoint:
+            raise TransportError("no syncer endpoint: pass one or set RACKMEND_CONNECT=tcp://host:port")
+        return cls(endpoint, rank=int(os.environ.get("RANK", "0")),
+                   world_size=int(os.environ.get("WORLD_SIZE", "1")), **kwargs)
 
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
