@@ -18,13 +18,7 @@ H = 3
 STEPS = 3 * H + 3  # >= 3 outer rounds of every fragment
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Concurrent learner threads must not share an intra-op pool: keeps kernels' reduction order fixed.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(P: int, tau: int, weighting: str, merge: str, apply: str = "overwrite", M: int = 2) -> RackmendConfig:

@@ -6,18 +6,12 @@ about 3.3 after 2 x 80 steps) with room for thread-timing noise."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rackmend.demo import DemoSettings, arm_configs, train_arm
 from rackmend.workloads import ByteCorpus, GPTConfig
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rackmend_run_learns_on_held_out_data() -> None:
