@@ -3,6 +3,7 @@ bad frames, PowerSGD warm start, and error feedback keeping the running sum hone
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any, Iterator
 
@@ -51,8 +52,7 @@ def case_id(case: tuple[str, dict[str, Any]]) -> str:
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Raw bytes of a 1-D tensor (numpy is not a dependency)."""
     t = t.cpu().contiguous()
-    start = t.storage_offset() * t.element_size()
-    return bytes(t.untyped_storage())[start : start + t.numel() * t.element_size()]
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
 def wire(enc: Encoded) -> list[bytes]:
@@ -172,7 +172,7 @@ def test_block_scales_handle_magnitude_spread(name: str, block: int) -> None:
     flat = make_codec(name, block_size=MAX_BLOCK_SIZE)
     out = flat.decode(flat.encode(x))
     assert bool((out[small] == 0).all())
-    assert (out - x)[small].abs().max().item() > 100 * err[small].max().item()
+    assert not bool(((out - x).abs() <= per_element_bound(codec, x)).all())
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
