@@ -26,6 +26,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
+	$(PY) benchmarks/transport.py --quick
+	$(PY) benchmarks/codecs.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
