@@ -75,7 +75,6 @@ class ZmqLink(QueueLink):
         self._fragments: list[FragmentSpec] = []
         self._initial: list[list[torch.Tensor]] = []
         self._hello: list[Any] = []
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
