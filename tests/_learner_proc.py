@@ -8,7 +8,9 @@ after every step, so tests can watch it without sharing memory.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,7 @@ def main() -> int:
     p.add_argument("--keys", nargs=3, metavar=("PUBLIC_FILE", "SECRET_FILE", "SERVER_PUBLIC_FILE"))
     p.add_argument("--join-timeout", type=float, default=30.0)
     a = p.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # tests dump a stuck learner's stacks with SIGUSR1
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -170,6 +170,8 @@ def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: 
     pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
     a = procs.learner(endpoint, "l0", "--steps", "500", "--step-sleep", "0.02", "--progress", str(pa))
     b = procs.learner(endpoint, "l1", "--steps", "500", "--step-sleep", "0.02", "--progress", str(pb))
+    # Both must have joined (a learner still joining does block, up to its join timeout).
+    wait_for(lambda: min(progress(pa)[0], progress(pb)[0]) >= 10, 60, "both learners to step", (a, b))
     wait_for(lambda: any(e["event"] == "checkpoint" for e in events(tmp_path)), 60, "a first checkpoint", (a, b))
     s1.send_signal(signal.SIGKILL)
     s1.wait(10)

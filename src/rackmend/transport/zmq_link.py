@@ -78,6 +78,8 @@ class ZmqLink(QueueLink):
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.dropped_sends = 0
+        """Messages not sent because the syncer was unreachable at that moment."""
 
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
@@ -171,8 +173,15 @@ class ZmqLink(QueueLink):
             pipe.close()
 
     def _send(self, dealer: zmq.Socket, frames: Sequence[Any]) -> None:
+        # Never block: while the syncer is unreachable ZeroMQ may have no pipe to queue
+        # on, and a blocked I/O thread would stall training. A dropped contribution loses
+        # nothing: counters are cumulative, so the next send of the fragment carries it.
+        try:
+            dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_sends += 1
+            return
         self.bytes_sent += sum(len(f) if isinstance(f, (bytes, memoryview)) else len(f.buffer) for f in frames)
-        dealer.send_multipart(frames, copy=False)
 
     def _receive(self, dealer: zmq.Socket, frames: list[zmq.Frame]) -> None:
         self.bytes_received += sum(len(f.buffer) for f in frames)
