@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from _common import finish, parser
-from rackmend.demo import DemoSettings, arm_configs, train_arm
+from rackmend.demo.threads import DemoSettings, arm_configs, train_arm
 from rackmend.workloads import ByteCorpus
 
 

@@ -1,6 +1,8 @@
-"""Two learners train through emulated WAN links to a live syncer; one link drops
-every connection for a while. The other learner never stalls, and the cut-off one
-reconnects by itself (ZeroMQ) and merges again after the outage."""
+"""Learners train through emulated WAN links to a live syncer while a link fails.
+
+A dropped link: the other learner never stalls, and the cut-off one reconnects by
+itself (ZeroMQ) and merges again after the outage. A stalled link in blocking mode:
+the learner the syncer dropped for silence rejoins instead of deadlocking."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 
 import pytest
 
-from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.netem.link import LinkConfig, LinkEmulator, Outage
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport.zmq_link import ZmqLink
@@ -19,6 +21,7 @@ from helpers import batch, make_inner, make_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 OUTAGE_START, OUTAGE_S = 2.0, 2.0
+STALL_START, STALL_S = 1.5, 2.5
 
 
 def test_two_learners_survive_a_link_outage() -> None:
@@ -85,3 +88,65 @@ def test_two_learners_survive_a_link_outage() -> None:
     after = [m for m in merges if m["t"] > records[0]["t"] + OUTAGE_START + OUTAGE_S + 0.5]
     assert any("l1" in m["merged"] for m in after), "l1 did not merge again after its link came back"
     assert links["l1"].stats()["dropped_connections"] >= 1
+    # Both left gracefully through their links (the syncer's bye came back), not by silence.
+    assert {r["learner"]: r["reason"] for r in records if r["event"] == "leave"} == {"l0": "leave", "l1": "leave"}
+
+
+def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> None:
+    """Blocking mode: both learners' path stalls past the heartbeat timeout while they
+    wait for a merge. The syncer drops both (their contributions, delivered late, are
+    refused), so no merge happens; when they speak again it takes them back with the
+    same version they hold. They must adopt it and go on instead of waiting for a merge
+    of contributions the syncer no longer has."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=1, overlap=0),
+                            syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1")),
+                            learner=LearnerConfig(wait_timeout=15.0), deterministic=True)
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=1.0))
+    records: list[dict] = []
+    record = svc._record
+    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    server = threading.Thread(target=svc.serve, daemon=True)
+    server.start()
+    port = int(svc.endpoint.rsplit(":", 1)[1])
+    stall = LinkEmulator(("127.0.0.1", port), LinkConfig(latency_s=0.005, outages=(
+        Outage(start=STALL_START, duration=STALL_S, mode="blackhole"),)), name="wan").start()
+    t_start = time.monotonic()
+    errors: list[BaseException] = []
+    finished: dict[str, float] = {}
+
+    def learner(lid: str, endpoint: str) -> None:
+        try:
+            model = make_model()
+            opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(endpoint, heartbeat_s=0.2),
+                                    learner_id=lid)
+            t = 0
+            while time.monotonic() - t_start < STALL_START + STALL_S + 3.0 and t < 5000:
+                t += 1
+                x, y, tokens = batch(lid, t)
+                loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step(tokens=tokens)
+                time.sleep(0.02)
+            opt.close()
+            finished[lid] = time.monotonic() - t_start
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(lid, stall.address)) for lid in ("l0", "l1")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    svc.stop()
+    server.join(20)
+    stall.close()
+    assert not errors, errors
+    assert set(finished) == {"l0", "l1"}
+    assert max(finished.values()) < STALL_START + STALL_S + 10, f"a learner hung: {finished}"
+    t_listen = records[0]["t"]
+    silent = [r for r in records if r["event"] == "leave" and r["learner"] == "l1" and r["reason"] == "silent"]
+    assert silent, "the stall did not make the syncer drop l1 (the test would prove nothing)"
+    back = [r for r in records if r["event"] == "merge" and "l1" in r["merged"] and r["t"] > silent[0]["t"]]
+    assert back, "l1 never merged again after being dropped"
+    assert back[0]["t"] - t_listen < STALL_START + STALL_S + 6

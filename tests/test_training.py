@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rackmend.demo import DemoSettings, arm_configs, train_arm
+from rackmend.demo.threads import DemoSettings, arm_configs, train_arm
 from rackmend.workloads import ByteCorpus, GPTConfig
 
 

@@ -198,7 +198,12 @@ class RackmendOptimizer(torch.optim.Optimizer):
             upd = self._arrived.pop(p, None)
             if upd is None and self.config.deterministic:
                 upd = self._wait(p)
-            if upd is not None:
+            if upd is not None and upd.reset:
+                # The syncer forgot this learner (silence, restart) while we waited: its
+                # contribution is gone, so no merge will answer it. Adopt the value and
+                # take part again from the fragment's next send.
+                self._adopt(upd)
+            elif upd is not None:
                 self._apply(p, upd, pend)
         # An update for a fragment not sent yet waits for that fragment's own send:
         # the send then carries this learner's progress as a stale contribution that
@@ -266,7 +271,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             if arrived is None and self.config.deterministic:
                 self._arrived[p] = arrived = self._wait(p)
             if arrived is not None:
-                status[p] = 1
+                status[p] = 2 if arrived.reset else 1
         dist = torch.distributed
         if dist.get_backend(self._group) == "nccl":
             dev = self._params[0][0].device
@@ -394,13 +399,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """A rejoin answer (e.g. the syncer restarted from a checkpoint): take its value
         as the new base and keep the local progress made on top of the old one."""
         p = upd.fragment
+        # Whatever was sent for p is forgotten by the syncer (or will be answered as a
+        # plain update, applied after this learner's next send of p).
+        self._pending.pop(p, None)
+        self._arrived.pop(p, None)
         if upd.version == self.versions[p] and all(map(torch.equal, self.held[p], upd.tensors)):
             return
         self._rebase(p, old=self.held[p], new=list(upd.tensors))
         self.held[p] = list(upd.tensors)
         self.versions[p] = upd.version
-        self._pending.pop(p, None)
-        self._arrived.pop(p, None)
 
     @torch.no_grad()
     def _rebase(self, p: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:

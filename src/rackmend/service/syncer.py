@@ -236,6 +236,8 @@ class SyncerService:
             self._init(ident, msg)
             return
         peer = self.peers.get(ident)
+        if peer is None and self._pending is not None and any(i == ident for i, _ in self._pending.waiting):
+            return  # its hello is answered once the first learner's initial values are in
         if peer is None or peer.learner_id != lid or peer.rank != rank:
             # Unknown to this syncer (it restarted, or the learner was declared silent).
             self._event("unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
@@ -246,6 +248,7 @@ class SyncerService:
             return
         if msg.type == "leave":
             del self.peers[ident]
+            self._send(ident, wire.encode({"type": "bye"}))  # lets the learner exit knowing it was heard
             if not self._ranks_of(lid):
                 self._drive(LearnerLeft(lid, "leave"))
             return
@@ -265,7 +268,7 @@ class SyncerService:
                 self._send(ident, wire.encode({"type": "init_request"}))
             if fingerprint(layout) != fingerprint(self._pending.layout):
                 raise wire.WireError("parameter layout differs from the first learner's")
-            self._pending.waiting.append((ident, msg))
+            self._pending.waiting = [(i, m) for i, m in self._pending.waiting if i != ident] + [(ident, msg)]
             return
         if fingerprint(layout) != fingerprint(self.core.fragments):
             self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason":

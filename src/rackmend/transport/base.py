@@ -47,8 +47,9 @@ class LearnerLink(Protocol):
         ...
 
     def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
-        """Block until an update of ``fragment`` newer than ``after_version`` arrives;
-        other updates that arrive meanwhile are kept for the next ``poll``."""
+        """Block until an update of ``fragment`` newer than ``after_version`` (or a
+        ``reset`` update of it, whatever its version) arrives; other updates that arrive
+        meanwhile are kept for the next ``poll``."""
         ...
 
     def leave(self) -> None:
@@ -76,14 +77,15 @@ class QueueLink:
 
     def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
         end = time.monotonic() + timeout
+        wanted = lambda u: u.fragment == fragment and (u.version > after_version or u.reset)  # noqa: E731
         for i, upd in enumerate(self._held_back):
-            if upd.fragment == fragment and upd.version > after_version:
+            if wanted(upd):
                 return self._held_back.pop(i)
         while True:
             upd = self._get(end)
             if upd is None:
                 return None
-            if upd.fragment == fragment and upd.version > after_version:
+            if wanted(upd):
                 return upd
             self._held_back.append(upd)
 

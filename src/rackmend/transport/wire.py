@@ -47,7 +47,7 @@ MAX_HEADER_BYTES = 1 << 20
 
 _LEARNER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave")
-SYNCER_TYPES = ("update", "init_request", "error")
+SYNCER_TYPES = ("update", "init_request", "error", "bye")
 
 
 class WireError(ValueError):

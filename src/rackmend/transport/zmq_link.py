@@ -10,6 +10,7 @@ so a syncer that goes away and comes back needs nothing from the caller.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -28,6 +29,12 @@ from rackmend.transport.base import QueueLink, TransportError
 __all__ = ["ZmqLink", "CurveClientKeys"]
 
 log = logging.getLogger("rackmend.link")
+
+# Every message the syncer gets from a learner it does not know (each heartbeat, say)
+# is answered with a rejoin request; one hello per this many seconds answers them all.
+# Each hello makes the syncer send the whole model, so a hello per request would flood
+# a slow link with copies of the model.
+_HELLO_BACKOFF_S = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +61,7 @@ class ZmqLink(QueueLink):
         heartbeat_s: float = 1.0,
         curve: CurveClientKeys | None = None,
         max_message_bytes: int = 1 << 31,
+        leave_timeout_s: float = 3.0,
     ) -> None:
         super().__init__(lambda: self._error)
         self.endpoint = endpoint
@@ -64,6 +72,11 @@ class ZmqLink(QueueLink):
         """Ranks of this learner; this link carries fragments p with p % world_size == rank."""
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes = max_message_bytes
+        self.leave_timeout_s = leave_timeout_s
+        """How long ``leave`` waits for the syncer's ``bye`` before the link closes anyway."""
+        self._bye = threading.Event()
+        self._leaving = False
+        self._hello_at = -math.inf
         self.learner_id: str | None = None
         self._curve = curve
         self._error: BaseException | None = None
@@ -125,8 +138,13 @@ class ZmqLink(QueueLink):
         if self._thread is None:
             return
         if self._thread.is_alive():
+            # Wait for the syncer's bye: closing at once can lose the leave (a socket closed
+            # with unread updates in its receive buffer is reset, not flushed), and then
+            # rounds would wait for this learner until its heartbeat timeout.
+            self._leaving = True
             self._pipe_out.send_multipart(wire.encode({"type": "leave", "learner": self.learner_id,
                                                        "rank": self.rank}))
+            self._bye.wait(self.leave_timeout_s)
             self._pipe_out.send_multipart([b"STOP"])
             self._thread.join(5.0)
         self._pipe_out.close(linger=0)
@@ -150,7 +168,7 @@ class ZmqLink(QueueLink):
             poller = zmq.Poller()
             poller.register(dealer, zmq.POLLIN)
             poller.register(pipe, zmq.POLLIN)
-            self._send(dealer, self._hello)
+            self._send_hello(dealer)
             next_beat = time.monotonic() + self.heartbeat_s
             beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
             while True:
@@ -171,6 +189,10 @@ class ZmqLink(QueueLink):
         finally:
             dealer.close()
             pipe.close()
+
+    def _send_hello(self, dealer: zmq.Socket) -> None:
+        self._hello_at = time.monotonic()
+        self._send(dealer, self._hello)
 
     def _send(self, dealer: zmq.Socket, frames: Sequence[Any]) -> None:
         # Never block: while the syncer is unreachable ZeroMQ may have no pipe to queue
@@ -199,11 +221,15 @@ class ZmqLink(QueueLink):
             elif msg.type == "init_request":
                 for p, values in enumerate(self._initial):
                     self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
+            elif msg.type == "bye":
+                self._bye.set()
             elif msg.type == "error":
                 code, reason = msg.header.get("code"), str(msg.header.get("reason", ""))[:500]
-                if code == "rejoin":
+                if code == "rejoin" and self._leaving:
+                    self._bye.set()  # the syncer does not know us any more: nothing to leave
+                elif code == "rejoin" and time.monotonic() - self._hello_at > _HELLO_BACKOFF_S:
                     log.info("syncer asks %s to join again (it restarted?); sending hello", self.learner_id)
-                    self._send(dealer, self._hello)
+                    self._send_hello(dealer)
                 elif code == "fatal":
                     self._error = TransportError(f"the syncer refused {self.learner_id}: {reason}")
                 else:

@@ -1,0 +1,280 @@
+"""What a demo or benchmark run is made of: settings, faults, links, and the arms.
+
+Plain data only (dataclasses and their JSON form); nothing here starts a process,
+opens a socket or trains. ``orchestrate`` runs what is described here, ``worker`` is
+one learner process, ``report`` turns the measurements into files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.netem import LinkConfig
+from rackmend.workloads import GPTConfig
+
+__all__ = [
+    "ARMS",
+    "ArmSpec",
+    "FaultPlan",
+    "LinkPlan",
+    "RunSettings",
+    "arm_specs",
+    "config_to_dict",
+    "config_from_dict",
+]
+
+ARMS = ("data-parallel", "diloco", "rackmend", "local")
+"""Every arm, in the order they run and are reported."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _fraction(name: str, value: float) -> None:
+    _check(0 <= value <= 1, f"{name}={value} must be a fraction of the arm's duration in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class FaultPlan:
+    """Faults injected into every arm at the same moments (fractions of the duration),
+    so the arms face the same trouble. Learner indices count from 0."""
+
+    kill_learner: int | None = 1
+    """This learner's process is SIGKILLed and later started again with the same id.
+    None: nobody is killed."""
+
+    kill_at: float = 0.30
+    """When the kill happens, as a fraction of the arm's duration."""
+
+    restart_at: float = 0.45
+    """When the killed learner is started again (a fresh process that rejoins)."""
+
+    slow_learner: int | None = 2
+    """This learner turns fail-slow: each of its steps takes ``slow_factor`` times as
+    long (it sleeps after computing), as a throttled or degraded rack would. None: off."""
+
+    slow_from: float = 0.50
+    """Start of the fail-slow window (fraction of the duration)."""
+
+    slow_until: float = 0.80
+    """End of the fail-slow window (fraction of the duration)."""
+
+    slow_factor: float = 4.0
+    """How many times longer each step takes while fail-slow (> 1)."""
+
+    worse_link_learner: int | None = 3
+    """This learner's link has ``1 / worse_link_factor`` of the bandwidth and
+    ``worse_link_factor`` times the latency of the others, for the whole run. None: off."""
+
+    worse_link_factor: float = 4.0
+    """How much worse that link is (>= 1)."""
+
+    def validate(self, learners: int) -> None:
+        for name in ("kill_learner", "slow_learner", "worse_link_learner"):
+            idx = getattr(self, name)
+            _check(idx is None or 0 <= idx < learners,
+                   f"{name}={idx} is not a learner index; use 0..{learners - 1} or None to turn it off")
+        for name in ("kill_at", "restart_at", "slow_from", "slow_until"):
+            _fraction(name, getattr(self, name))
+        _check(self.kill_at < self.restart_at, f"restart_at={self.restart_at} must come after kill_at={self.kill_at}")
+        _check(self.slow_from < self.slow_until,
+               f"slow_until={self.slow_until} must come after slow_from={self.slow_from}")
+        _check(self.slow_factor > 1, f"slow_factor must be > 1, got {self.slow_factor}")
+        _check(self.worse_link_factor >= 1, f"worse_link_factor must be >= 1, got {self.worse_link_factor}")
+
+    @classmethod
+    def none(cls) -> "FaultPlan":
+        """No faults at all (the paired benchmark's clean comparison)."""
+        return cls(kill_learner=None, slow_learner=None, worse_link_learner=None)
+
+
+@dataclass(kw_only=True)
+class LinkPlan:
+    """The emulated WAN link between each learner and the syncer (each direction)."""
+
+    bandwidth_mbit: float | None = 50.0
+    """Cap per learner link and direction, in Mbit/s. None: no cap."""
+
+    latency_ms: float = 100.0
+    """One-way latency in milliseconds."""
+
+    jitter: float = 0.5
+    """Spread of the latency as a fraction of it (0.5: +-50 %)."""
+
+    def link_config(self, factor: float = 1.0, seed: int = 0) -> LinkConfig:
+        """The emulator's config, ``factor`` times worse (bandwidth / factor, latency x factor)."""
+        bw = None if self.bandwidth_mbit is None else self.bandwidth_mbit * 1e6 / factor
+        return LinkConfig(bandwidth_bps=bw, latency_s=self.latency_ms * factor / 1e3, jitter=self.jitter, seed=seed)
+
+    def validate(self) -> None:
+        _check(self.bandwidth_mbit is None or self.bandwidth_mbit > 0,
+               f"bandwidth_mbit must be > 0 or None for no cap, got {self.bandwidth_mbit}")
+        _check(self.latency_ms >= 0, f"latency_ms must be >= 0, got {self.latency_ms}")
+        self.link_config()  # the emulator's own checks (jitter range)
+
+
+@dataclass(kw_only=True)
+class RunSettings:
+    """One run of one or more arms: workload, schedule, links, faults, stop rule."""
+
+    learners: int = 4
+    """M: learner processes per arm."""
+
+    duration_s: float | None = 60.0
+    """Wall seconds each arm trains for, counted from the moment every learner has
+    joined. None: stop by ``max_steps`` only."""
+
+    max_steps: int | None = None
+    """Inner steps per learner after which it stops. None: stop by ``duration_s`` only."""
+
+    batch_size: int = 8
+    """Sequences per learner step."""
+
+    lr: float = 3e-3
+    """Inner AdamW learning rate."""
+
+    seed: int = 0
+    """Seed of the model initialisation, the data streams and the link jitter."""
+
+    sync_every: int = 16
+    """H of the diloco and rackmend arms."""
+
+    fragments: int = 4
+    """P of the rackmend arm."""
+
+    overlap: int = 2
+    """tau of the rackmend arm."""
+
+    evals: int = 8
+    """Held-out evaluations of the global model per arm (plus one at the start and one at the end)."""
+
+    arms: tuple[str, ...] = ("data-parallel", "diloco", "rackmend")
+    """Which arms to run, from ``ARMS``."""
+
+    link: LinkPlan = field(default_factory=LinkPlan)
+    """The emulated WAN link of every learner."""
+
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    """Faults injected into every arm."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """Shape of the GPT."""
+
+    heartbeat_timeout_s: float = 10.0
+    """Silence after which the syncer stops expecting a learner (a killed one). Keep it
+    well above the time one message takes on the slowest link: heartbeats queue behind
+    fragments on the same connection."""
+
+    def validate(self) -> None:
+        _check(self.learners >= 1, f"learners must be >= 1, got {self.learners}")
+        _check(self.duration_s is not None or self.max_steps is not None,
+               "give duration_s or max_steps (or both): otherwise an arm never stops")
+        _check(self.duration_s is None or self.duration_s > 0, f"duration_s must be > 0, got {self.duration_s}")
+        _check(self.max_steps is None or self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        for name in ("batch_size", "evals"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        unknown = [a for a in self.arms if a not in ARMS]
+        _check(bool(self.arms) and not unknown, f"arms {unknown or '()'} not known; choose from {', '.join(ARMS)}")
+        ScheduleConfig(sync_every=self.sync_every, num_fragments=self.fragments, overlap=self.overlap)
+        self.link.validate()
+        self.faults.validate(self.learners)
+        if self.duration_s is None and self.faults.kill_learner is not None:
+            raise ConfigError("faults are scheduled as fractions of duration_s; set duration_s or turn faults off")
+
+    def __post_init__(self) -> None:
+        self.arms = tuple(self.arms)
+        self.validate()
+
+    @property
+    def learner_ids(self) -> list[str]:
+        return [f"learner{i}" for i in range(self.learners)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunSettings":
+        d = dict(d)
+        d["link"] = LinkPlan(**d["link"])
+        d["faults"] = FaultPlan(**d["faults"])
+        d["model"] = GPTConfig(**d["model"])
+        return cls(**d)
+
+
+@dataclass(kw_only=True)
+class ArmSpec:
+    """One way of training the same model on the same data through the same links."""
+
+    name: str
+    """One of ``ARMS``."""
+    description: str
+    """One line for the report."""
+    config: RackmendConfig | None
+    """rackmend's configuration; None for ``local`` (plain PyTorch, no syncer)."""
+    checkpoint_every: int = 1
+    """Syncer merges between checkpoints (the held-out evaluations read them)."""
+
+
+def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
+    """The arms of the issue, all with the same learners, seeds and links."""
+    ids = tuple(s.learner_ids)
+    lc = LearnerConfig(wait_timeout=60.0)
+    specs = {
+        "data-parallel": ArmSpec(
+            name="data-parallel",
+            description="exchange every step, blocking, all learners, plain average (H=1, P=1, tau=0)",
+            config=RackmendConfig(
+                schedule=ScheduleConfig(sync_every=1, num_fragments=1, overlap=0),
+                syncer=SyncerConfig(min_quorum=s.learners, learners=ids, weighting="uniform",
+                                    outer_lr=1.0, outer_kwargs={}),
+                learner=lc, deterministic=True),
+            checkpoint_every=2,
+        ),
+        "diloco": ArmSpec(
+            name="diloco",
+            description=f"classic DiLoCo: whole model every H={s.sync_every} steps, blocking, "
+                        "quorum = all, Nesterov outer step (P=1, tau=0)",
+            config=RackmendConfig(
+                schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=1, overlap=0),
+                syncer=SyncerConfig(min_quorum=s.learners, learners=ids, weighting="uniform"),
+                learner=lc, deterministic=True),
+            checkpoint_every=1,
+        ),
+        "rackmend": ArmSpec(
+            name="rackmend",
+            description=f"rackmend defaults: P={s.fragments} fragments every H={s.sync_every} steps, "
+                        f"tau={s.overlap} overlap, K=1, adaptive grace, tokens^2/steps weights",
+            config=RackmendConfig(
+                schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
+                syncer=SyncerConfig(min_quorum=1, learners=ids),
+                learner=lc),
+            checkpoint_every=s.fragments,
+        ),
+        "local": ArmSpec(
+            name="local",
+            description="each learner alone with plain PyTorch, no rackmend, no link (the step-time baseline)",
+            config=None,
+        ),
+    }
+    return {name: specs[name] for name in s.arms}
+
+
+def config_to_dict(config: RackmendConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(d: dict[str, Any]) -> RackmendConfig:
+    """Inverse of ``config_to_dict`` for every section of ``RackmendConfig``."""
+    defaults = RackmendConfig()
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(RackmendConfig):
+        value = d[f.name]
+        current = getattr(defaults, f.name)
+        kwargs[f.name] = type(current)(**value) if dataclasses.is_dataclass(current) else value
+    return RackmendConfig(**kwargs)

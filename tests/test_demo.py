@@ -1,0 +1,113 @@
+"""The multi-process demo machinery: a tiny real run (syncer process, learner
+processes behind emulated links, a fail-slow learner) and the report written from it;
+plus the pieces the demo relies on: arm configs reaching the syncer intact, settings
+validation, loss interpolation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from rackmend.config import ConfigError
+from rackmend.demo.orchestrate import run_arm, syncer_flags
+from rackmend.demo.report import REPORT_FILES, loss_at_tokens, write_report
+from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings, arm_specs, config_from_dict, config_to_dict
+from rackmend.service import cli as service_cli
+from rackmend.workloads import GPTConfig
+
+TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+def test_arm_configs_reach_the_syncer_unchanged() -> None:
+    """The flags the orchestrator passes to `rackmend syncer` rebuild each arm's syncer config."""
+    s = RunSettings(learners=3, sync_every=8, fragments=2, overlap=1, arms=("data-parallel", "diloco", "rackmend"),
+                    faults=FaultPlan.none())
+    for name, spec in arm_specs(s).items():
+        p = argparse.ArgumentParser()
+        service_cli.add_syncer_arguments(p)
+        config, _ = service_cli.build(service_cli.resolve(p.parse_args(syncer_flags(spec)), environ={}))
+        assert config.syncer == spec.config.syncer, name
+        assert config.deterministic == spec.config.deterministic, name
+        assert config.schedule.overlap == spec.config.schedule.overlap, name
+        assert config_from_dict(json.loads(json.dumps(config_to_dict(spec.config)))) == spec.config
+
+
+def test_arms_differ_as_the_issue_asks() -> None:
+    specs = arm_specs(RunSettings(arms=("data-parallel", "diloco", "rackmend", "local")))
+    dp, diloco, rm = (specs[n].config for n in ("data-parallel", "diloco", "rackmend"))
+    assert (dp.schedule.sync_every, dp.schedule.num_fragments, dp.schedule.overlap, dp.deterministic) == (1, 1, 0, True)
+    assert dp.syncer.min_quorum == 4 and dp.syncer.outer_lr == 1.0 and dp.syncer.resolved_outer_kwargs() == {}
+    assert (diloco.schedule.num_fragments, diloco.schedule.overlap, diloco.deterministic) == (1, 0, True)
+    assert diloco.syncer.resolved_outer_kwargs() == {"momentum": 0.9, "nesterov": True}
+    assert (rm.schedule.num_fragments, rm.syncer.min_quorum, rm.deterministic) == (4, 1, False)
+    assert specs["local"].config is None
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"faults": FaultPlan(kill_learner=7)}, "kill_learner=7"),
+    ({"faults": FaultPlan(kill_at=0.6, restart_at=0.5)}, "restart_at"),
+    ({"faults": FaultPlan(slow_factor=1.0)}, "slow_factor"),
+    ({"arms": ("rackmend", "nonsense")}, "nonsense"),
+    ({"duration_s": None}, "duration_s"),
+    ({"link": LinkPlan(jitter=2.0)}, "jitter"),
+])
+def test_bad_settings_say_what_to_change(changes: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        RunSettings(**changes)
+
+
+def test_loss_interpolation() -> None:
+    pts = [(0, 0.0, 5.0), (100, 1.0, 3.0), (300, 2.0, 2.0), (340, 3.0, 1.8)]
+    assert loss_at_tokens(pts, 100) == 3.0 and loss_at_tokens(pts, 340) == 1.8
+    assert loss_at_tokens(pts, 320) == pytest.approx(1.9)
+    assert loss_at_tokens(pts, 341) is None
+    # A line from the start (or between evaluations far apart) is not trusted.
+    assert loss_at_tokens(pts, 50) is None and loss_at_tokens(pts, 200) is None
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
+    """Two learner processes, a real syncer, emulated links, one learner fail-slow."""
+    s = RunSettings(
+        learners=2, duration_s=6.0, batch_size=4, sync_every=8, fragments=2, overlap=1, evals=3,
+        arms=("rackmend", "local"), model=TINY, heartbeat_timeout_s=5.0,
+        # Fast enough for what two tiny learners send (~15 Mbit/s each): a link slower
+        # than its learner's output queues contributions behind each other.
+        link=LinkPlan(bandwidth_mbit=200.0, latency_ms=10.0, jitter=0.5),
+        faults=FaultPlan(kill_learner=None, worse_link_learner=None, slow_learner=1, slow_from=0.3,
+                         slow_until=0.7, slow_factor=3.0),
+    )
+    runs = [run_arm(spec, s, tmp_path / "raw" / name) for name, spec in arm_specs(s).items()]
+    out = tmp_path / "report"
+    summary = write_report(out, runs, s, "pytest tiny run")
+    for name in REPORT_FILES:
+        path = out / name
+        assert path.exists() and path.stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    report = (out / "report.md").read_text()
+    assert "rackmend" in report and "local" in report and "fail-slow" in report
+    rows = {r["arm"]: r for r in json.loads((out / "summary.json").read_text())["arms"]}
+    assert set(rows) == {"rackmend", "local"} == {r["arm"] for r in summary["arms"]}
+    rm, local = runs
+    assert all(ls.steps > 5 for ls in rm.learners + local.learners)
+    assert rm.merges(), "the rackmend arm merged nothing"
+    assert rm.points[-1][2] < rm.points[0][2], "held-out loss of the global model did not fall"
+    assert len(rm.points) >= 3, "too few held-out evaluations"
+    assert rm.wan_bytes > 0 and not local.links
+    # Every learner finished with a graceful leave that reached the syncer through its link.
+    leaves = {e["learner"]: e["reason"] for e in rm.events if e.get("event") == "leave"}
+    assert leaves == {"learner0": "leave", "learner1": "leave"}
+    # The fail-slow learner really was slower inside its window.
+    slow = [r["compute"] for r in rm.steps["learner1"] if r["slow"]]
+    fast = [r["compute"] for r in rm.steps["learner1"] if not r["slow"]]
+    assert slow and fast and statistics.median(slow) > 2 * statistics.median(fast)
+    steps_lines = (out / "steps.jsonl").read_text().splitlines()
+    assert len(steps_lines) == sum(ls.steps for r in runs for ls in r.learners)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert any(e["arm"] == "rackmend" and e["event"] == "merge" for e in events)
+    assert any(e["event"] == "fault_slow" for e in events)
