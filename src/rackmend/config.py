@@ -13,8 +13,12 @@ from typing import Any
 
 import torch
 
+from rackmend.codecs.base import Codec, CodecError
+from rackmend.codecs.registry import CODECS, parse_codec_spec
+
 __all__ = [
     "ConfigError",
+    "CompressionConfig",
     "ScheduleConfig",
     "SyncerConfig",
     "LearnerConfig",
@@ -218,6 +222,51 @@ class LearnerConfig:
 
 
 @dataclass(kw_only=True)
+class CompressionConfig:
+    """Codecs of the two directions. Each is a spec string ``name[:key=value,...]``
+    naming a codec of ``rackmend.codecs.CODECS`` (``none``, ``bf16``, ``int8``, ``int4``,
+    ``powersgd``), e.g. ``"int4"``, ``"int4:block_size=32"``, ``"powersgd:rank=4"``.
+    Lossy codecs need float32 parameters and carry an error-feedback residual."""
+
+    uplink: str = "none"
+    """Codec of the learners' outer gradients (learner -> syncer). Each learner keeps
+    a residual per fragment tensor and adds it to the next send, so what is dropped
+    now is sent later. The syncer accepts whatever registered codec a learner uses
+    (messages name their codec); this field is what learners encode with."""
+
+    downlink: str = "none"
+    """Codec of the syncer's updates (syncer -> learners): each merge sends the
+    encoded change since the previous version, and the syncer sets its own value to
+    exactly what learners reconstruct, so every copy stays bit-identical. The syncer
+    keeps the residual. Joins and resynchronisations always travel uncompressed."""
+
+    def validate(self) -> None:
+        for name in ("uplink", "downlink"):
+            self._build(name)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def _build(self, name: str) -> Codec:
+        text = getattr(self, name)
+        try:
+            return parse_codec_spec(text)
+        except CodecError as exc:
+            raise ConfigError(
+                f"compression.{name}={text!r}: {exc}. Codecs: {', '.join(CODECS)}; "
+                "spec form name[:key=value,...], e.g. 'int4:block_size=32' or 'powersgd:rank=4'"
+            ) from None
+
+    def build_uplink(self) -> Codec:
+        """The codec learners encode outer gradients with."""
+        return self._build("uplink")
+
+    def build_downlink(self) -> Codec:
+        """The codec the syncer encodes update deltas with."""
+        return self._build("downlink")
+
+
+@dataclass(kw_only=True)
 class RackmendConfig:
     """Everything a rackmend run needs; learner and syncer must use equal values."""
 
@@ -230,13 +279,16 @@ class RackmendConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """How merged values are applied on the learner."""
 
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs of outer gradients (uplink) and updates (downlink); lossless by default."""
+
     deterministic: bool = False
     """Bit-for-bit reproducible runs: every learner blocks at t_send + tau until the
     merged value is there, and every round waits for the whole roster (no grace timing).
     Slower by design; for tests and debugging."""
 
     def validate(self) -> None:
-        for name in ("schedule", "syncer", "learner"):
+        for name in ("schedule", "syncer", "learner", "compression"):
             getattr(self, name).validate()
 
     def __post_init__(self) -> None:
