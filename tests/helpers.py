@@ -56,8 +56,10 @@ def run_inprocess(
     *,
     model_fn: Callable[[], nn.Module] = make_model,
     timeout: float = 60.0,
+    optimizers: dict[str, RackmendOptimizer] | None = None,
 ) -> tuple[dict[str, nn.Module], InProcessSyncer]:
-    """M learner threads + an in-process syncer, each learner stepping ``steps`` times."""
+    """M learner threads + an in-process syncer, each learner stepping ``steps`` times.
+    ``optimizers``, when given, receives each learner's RackmendOptimizer."""
     init = model_fn()
     sch = config.schedule
     frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
@@ -70,6 +72,8 @@ def run_inprocess(
         try:
             model = models[lid]
             opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id=lid)
+            if optimizers is not None:
+                optimizers[lid] = opt
             for t in range(1, steps + 1):
                 x, y, tokens = batch(lid, t)
                 loss = model(x, y)
