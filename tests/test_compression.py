@@ -5,7 +5,6 @@ survive learner and syncer checkpoints, and bad specs fail at configuration time
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from rackmend.core import SyncerCore
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 
-from helpers import batch, make_inner, make_model, run_inprocess
+from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_inprocess, train
 from reference import reference_run
 
 H = 3
@@ -48,13 +47,7 @@ def _run_and_compare(config: RackmendConfig, ids: list[str]) -> tuple[dict, InPr
     opts: dict[str, RackmendOptimizer] = {}
     models, hub = run_inprocess(config, ids, STEPS, optimizers=opts)
     ref_models, ref_theta = reference_run(make_model, make_inner, batch, config, ids, STEPS)
-    for lid in ids:
-        got = dict(models[lid].named_parameters())
-        for name, ref in ref_models[lid].named_parameters():
-            assert torch.equal(got[name], ref), f"{lid}.{name} differs from the reference"
-    for p, ref in enumerate(ref_theta):
-        for a, b in zip(hub.core.theta[p], ref):
-            assert torch.equal(a, b), f"syncer fragment {p} differs from the reference"
+    assert_equal_to_reference(models, hub, ref_models, ref_theta)
     # Every learner's held copy is the syncer's value of the version it holds (the
     # history keeps recent versions; sends in the last tau steps are merged unapplied).
     current = 0
@@ -108,22 +101,14 @@ def test_learner_state_dict_keeps_uplink_residuals() -> None:
     config = _config(1, 0, 1, "int4", "none")
     k, steps = 2 * H, 4 * H
 
-    def train(opt: RackmendOptimizer, model, start: int, stop: int) -> None:
-        for t in range(start, stop + 1):
-            x, y, tokens = batch("l0", t)
-            loss = model(x, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step(tokens=tokens)
-
     def run(drop_residuals: bool | None) -> dict[str, torch.Tensor]:
         with InProcessSyncer.for_model(config, make_model()) as hub:
             model = make_model()
             opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
             if drop_residuals is None:
-                train(opt, model, 1, steps)
+                train(opt, model, "l0", range(1, steps + 1))
             else:
-                train(opt, model, 1, k)
+                train(opt, model, "l0", range(1, k + 1))
                 saved, weights = opt.state_dict(), {n: v.clone() for n, v in model.state_dict().items()}
                 assert saved["rackmend"]["uplink"], "no residuals in the learner's state_dict"
                 if drop_residuals:
@@ -133,7 +118,7 @@ def test_learner_state_dict_keeps_uplink_residuals() -> None:
                 opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
                 model.load_state_dict(weights)
                 opt.load_state_dict(saved)
-                train(opt, model, k + 1, steps)
+                train(opt, model, "l0", range(k + 1, steps + 1))
             opt.close()
             return {n: v.detach().clone() for n, v in model.named_parameters()}
 

@@ -16,7 +16,7 @@ from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, Sched
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model
+from helpers import make_inner, make_model, train
 
 CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
                         syncer=SyncerConfig(min_quorum=1, grace_max=0.05, learners=("l0", "l1")),
@@ -64,13 +64,7 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
             opts[lid] = opt = RackmendOptimizer(model, make_inner(model), CONFIG, ZmqLink(svc.endpoint),
                                                 learner_id=lid)
             joined.wait()
-            for t in range(1, STEPS + 1):
-                x, y, tokens = batch(lid, t)
-                loss = model(x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step(tokens=tokens)
-                time.sleep(0.01)
+            train(opt, model, lid, range(1, STEPS + 1), sleep=0.01)
         except BaseException as exc:
             errors.append(exc)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -256,6 +256,18 @@ class CompressionConfig:
                 f"compression.{name}={text!r}: {exc}. Codecs: {', '.join(CODECS)}; "
                 "spec form name[:key=value,...], e.g. 'int4:block_size=32' or 'powersgd:rank=4'"
             ) from None
+
+    def require_float32(self, name: str, tensors: Iterable[tuple[str, torch.dtype]]) -> None:
+        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``
+        or ``downlink``) is lossy: codecs encode float32 only, and silently sending such
+        tensors uncompressed would hide that the setting has no effect."""
+        if self._build(name).lossless:
+            return
+        for tensor, dtype in tensors:
+            _check(dtype == torch.float32,
+                   f"compression.{name}={getattr(self, name)!r} is lossy and needs float32 parameters, but "
+                   f"{tensor} is {dtype}; keep float32 master weights (autocast for the compute) or use "
+                   f"{name}='none'")
 
     def build_uplink(self) -> Codec:
         """The codec learners encode outer gradients with."""

@@ -27,7 +27,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from rackmend.codecs.feedback import FeedbackEncoder
-from rackmend.config import ConfigError, RackmendConfig
+from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
 from rackmend.codecs.base import Encoded
@@ -184,14 +184,8 @@ class SyncerCore:
         downlink = config.compression.build_downlink()
         self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
-        if self.downlink is not None:
-            for spec in self.fragments:
-                for t in spec.tensors:
-                    if t.dtype != torch.float32:
-                        raise ConfigError(
-                            f"compression.downlink={config.compression.downlink!r} is lossy and needs float32 "
-                            f"parameters, but {t.name} is {t.dtype}; use downlink='none' for this model"
-                        )
+        config.compression.require_float32(
+            "downlink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         if sc.anchoring == "syncer":
             for p in range(len(self.fragments)):
                 self.history[p][0] = [t.clone() for t in self.theta[p]]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rackmend.codecs.feedback import FeedbackEncoder
-from rackmend.config import ConfigError, RackmendConfig
+from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.transport.base import LearnerLink, TransportError
@@ -103,15 +103,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._uplink: FeedbackEncoder | None = None if uplink.lossless else FeedbackEncoder(uplink)
         """Error feedback and codec state per (fragment, tensor) of a lossy uplink codec.
         Only the owner rank of a fragment encodes it (it is the only one sending)."""
-        if self._uplink is not None:
-            for spec in self.fragments:
-                for t in spec.tensors:
-                    if t.dtype != torch.float32:
-                        raise ConfigError(
-                            f"compression.uplink={config.compression.uplink!r} is lossy and needs float32 "
-                            f"parameters, but {t.name} is {t.dtype}; keep float32 master weights "
-                            "(autocast for the compute) or use uplink='none'"
-                        )
+        config.compression.require_float32(
+            "uplink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
         self._pinned: dict[int, list[torch.Tensor]] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
