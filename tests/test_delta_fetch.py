@@ -1,7 +1,10 @@
-"""A lost delta update: a real ZmqLink against a real SyncerService (int8 downlink)
-whose send of one delta to learner l0 is dropped. l0's link sees the next delta's
-base version ahead of what it holds, fetches the full value, and ends holding exactly
-the syncer's value, while l1 (nothing dropped) never fetches."""
+"""Compressed updates through a real SyncerService (int8 downlink).
+
+A lost delta: the service's send of one delta update to learner l0 is dropped; l0's
+ZmqLink sees the next delta's base version ahead of what it holds, fetches the full
+value and ends holding exactly the syncer's value, while l1 (nothing dropped) never
+fetches. And a lossy downlink refuses a bfloat16 model with a clear reason at the
+first join."""
 
 from __future__ import annotations
 
@@ -98,5 +101,24 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
     finally:
         for opt in opts.values():
             opt.close()
+        svc.stop()
+        thread.join(20)
+
+
+def test_lossy_downlink_refuses_a_bfloat16_model_at_init() -> None:
+    """The syncer cannot compress a bf16 model's updates: the first learner's join fails
+    with the reason (a fatal error naming the tensor), and the syncer keeps serving."""
+    from rackmend.transport.base import TransportError
+
+    svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    try:
+        model = make_model().to(torch.bfloat16)
+        plain = CONFIG.replace(compression=CompressionConfig(downlink="int8"))  # the learner encodes nothing
+        with pytest.raises(TransportError, match=r"compression\.downlink='int8' is lossy.*emb\.weight is torch\.bfloat16"):
+            RackmendOptimizer(model, make_inner(model), plain, ZmqLink(svc.endpoint), learner_id="l0")
+        assert thread.is_alive() and svc.core is None
+    finally:
         svc.stop()
         thread.join(20)
