@@ -26,11 +26,11 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from rackmend.codecs.base import Encoded
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
-from rackmend.codecs.base import Encoded
 from rackmend.core.messages import Contribution, Update
 
 __all__ = [
