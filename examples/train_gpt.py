@@ -6,6 +6,10 @@ Runbook (one syncer and two learners; see docs/multinode.md for real machines):
     RACKMEND_LEARNER_ID=rack0 python examples/train_gpt.py --connect tcp://127.0.0.1:5555 &
     RACKMEND_LEARNER_ID=rack1 python examples/train_gpt.py --connect tcp://127.0.0.1:5555
 
+Compression: start the syncer with ``--uplink-codec int4 --downlink-codec int8`` and
+pass the same two flags here (the learner encodes with the uplink codec; the downlink
+one is the syncer's, kept here so both configs are equal).
+
 Your own training script changes in the same three places: build a ZmqLink, wrap the
 inner optimizer in RackmendOptimizer, pass tokens to step().
 """
@@ -19,7 +23,7 @@ import zlib
 
 import torch
 
-from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig
+from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig
 from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink
 from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
 
@@ -36,6 +40,10 @@ def main() -> int:
     p.add_argument("--overlap", type=int, default=2)
     p.add_argument("--key", help="this learner's .key_secret file (CurveZMQ)")
     p.add_argument("--server-key", help="the syncer's public .key file (CurveZMQ)")
+    p.add_argument("--uplink-codec", default=os.environ.get("RACKMEND_UPLINK_CODEC", "none"),
+                   help="codec of outer gradients, e.g. int4 or powersgd:rank=4 (env RACKMEND_UPLINK_CODEC)")
+    p.add_argument("--downlink-codec", default=os.environ.get("RACKMEND_DOWNLINK_CODEC", "none"),
+                   help="the syncer's update codec, e.g. int8 (env RACKMEND_DOWNLINK_CODEC)")
     a = p.parse_args()
     if not a.id:
         p.error("give a learner id with --id or RACKMEND_LEARNER_ID")
@@ -47,7 +55,8 @@ def main() -> int:
         server, _ = zmq.auth.load_certificate(a.server_key)
         curve = CurveClientKeys(public=pub, secret=sec, server_public=server)
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=a.sync_every, num_fragments=a.fragments,
-                                                    overlap=a.overlap))
+                                                    overlap=a.overlap),
+                            compression=CompressionConfig(uplink=a.uplink_codec, downlink=a.downlink_codec))
     torch.manual_seed(0)  # the first learner to join seeds the syncer with this initialisation
     model = GPT(GPTConfig())
     corpus = ByteCorpus()

@@ -2,7 +2,8 @@
 
 python tests/_learner_proc.py --endpoint tcp://127.0.0.1:PORT --id l0 --steps 12 ...
 Writes the final parameters (safetensors) to --out and its step count to --progress
-after every step, so tests can watch it without sharing memory.
+after every step, so tests can watch it without sharing memory; --held-out saves the
+global values it holds (``held/<p>/<i>``) and their versions (``versions``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import batch, make_inner, make_model  # noqa: E402
 
-from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig  # noqa: E402
+from rackmend import (  # noqa: E402
+    CompressionConfig,
+    LearnerConfig,
+    RackmendConfig,
+    RackmendOptimizer,
+    ScheduleConfig,
+    SyncerConfig,
+)
 from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink  # noqa: E402
 
 
@@ -40,6 +48,9 @@ def main() -> int:
     p.add_argument("--progress", type=Path)
     p.add_argument("--keys", nargs=3, metavar=("PUBLIC_FILE", "SECRET_FILE", "SERVER_PUBLIC_FILE"))
     p.add_argument("--join-timeout", type=float, default=30.0)
+    p.add_argument("--uplink-codec", default="none")
+    p.add_argument("--downlink-codec", default="none", help="only the syncer uses it; kept so configs are equal")
+    p.add_argument("--held-out", type=Path)
     a = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # tests dump a stuck learner's stacks with SIGUSR1
     torch.set_num_threads(1)
@@ -52,6 +63,7 @@ def main() -> int:
         schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),
         syncer=SyncerConfig(min_quorum=max(1, len(ids)) if a.deterministic else 1, learners=ids),
         learner=LearnerConfig(wait_timeout=a.join_timeout),
+        compression=CompressionConfig(uplink=a.uplink_codec, downlink=a.downlink_codec),
         deterministic=a.deterministic,
     )
     curve = None
@@ -85,6 +97,9 @@ def main() -> int:
         torch.distributed.destroy_process_group()
     if a.out and rank == 0:
         save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(a.out))
+    if a.held_out and world == 1:
+        held = {f"held/{p}/{i}": t.contiguous().clone() for p, ts in enumerate(opt.held) for i, t in enumerate(ts)}
+        save_file({**held, "versions": torch.tensor(opt.versions)}, str(a.held_out))
     return 0
 
 

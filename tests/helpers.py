@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -49,6 +50,30 @@ def batch(lid: str, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return x, (x * 3 + 1) % VOCAB, bs * 6
 
 
+def train(opt: RackmendOptimizer, model: nn.Module, lid: str, steps: range, sleep: float = 0.0) -> None:
+    """The plain training loop of the tests: ``batch(lid, t)`` for each t in ``steps``."""
+    for t in steps:
+        x, y, tokens = batch(lid, t)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step(tokens=tokens)
+        if sleep:
+            time.sleep(sleep)
+
+
+def assert_equal_to_reference(models: dict[str, nn.Module], hub: InProcessSyncer, ref_models: dict[str, nn.Module],
+                              ref_theta: list[list[torch.Tensor]]) -> None:
+    """Every learner's parameters and the syncer's global value equal the reference's."""
+    for lid, model in models.items():
+        got = dict(model.named_parameters())
+        for name, ref in ref_models[lid].named_parameters():
+            assert torch.equal(got[name], ref), f"{lid}.{name} differs from the reference"
+    for p, ref in enumerate(ref_theta):
+        for a, b in zip(hub.core.theta[p], ref):
+            assert torch.equal(a, b), f"syncer fragment {p} differs from the reference"
+
+
 def run_inprocess(
     config: RackmendConfig,
     learner_ids: list[str],
@@ -56,8 +81,10 @@ def run_inprocess(
     *,
     model_fn: Callable[[], nn.Module] = make_model,
     timeout: float = 60.0,
+    optimizers: dict[str, RackmendOptimizer] | None = None,
 ) -> tuple[dict[str, nn.Module], InProcessSyncer]:
-    """M learner threads + an in-process syncer, each learner stepping ``steps`` times."""
+    """M learner threads + an in-process syncer, each learner stepping ``steps`` times.
+    ``optimizers``, when given, receives each learner's RackmendOptimizer."""
     init = model_fn()
     sch = config.schedule
     frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
@@ -70,12 +97,9 @@ def run_inprocess(
         try:
             model = models[lid]
             opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id=lid)
-            for t in range(1, steps + 1):
-                x, y, tokens = batch(lid, t)
-                loss = model(x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step(tokens=tokens)
+            if optimizers is not None:
+                optimizers[lid] = opt
+            train(opt, model, lid, range(1, steps + 1))
             opt.close()
         except BaseException as exc:  # re-raised in the test thread
             errors.append(exc)

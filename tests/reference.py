@@ -6,6 +6,11 @@ events or timing. The weight and merge arithmetic is ``rackmend.core.merge``
 (checked on its own against the independent vectors in ``data/merge_rounds.json``);
 schedule, counters, outer gradients, the outer step and the apply rules are written
 out again here from the design, so the distributed run is checked against them.
+
+Compression, written out the same way (the codec classes only encode and decode):
+each learner keeps a residual per (fragment, tensor) and sends decode(encode(Δ + r)),
+keeping r = Δ + r - that; the syncer keeps a residual per (fragment, tensor) of the
+change its outer step made and sets θ = θ_old + decode(encode(change + r)).
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ class _Learner:
     c_steps: list[int]
     c_tokens: list[float]
     sent: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor], int, float]] = field(default_factory=dict)
+    residual: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    codec_state: dict[tuple[int, int], dict] = field(default_factory=dict)
+
+
+def _lossy_send(codec, residual: dict, state: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
+    """decode(encode(x + r)); keeps r = (x + r) - that. No residual yet: x as it is."""
+    y = x if key not in residual else x + residual[key]
+    decoded = codec.decode(codec.encode(y, state.setdefault(key, {})))
+    residual[key] = y - decoded
+    return decoded
 
 
 def reference_run(
@@ -49,6 +64,9 @@ def reference_run(
     params = lambda m, f: [dict(m.named_parameters())[n] for n in f.names]  # noqa: E731
     theta = [[p.detach().clone() for p in params(init, f)] for f in frags]
     outer = [getattr(torch.optim, sc.outer_optimizer)(t, lr=sc.outer_lr, **sc.resolved_outer_kwargs()) for t in theta]
+    up, down = config.compression.build_uplink(), config.compression.build_downlink()
+    down_residual: dict[tuple[int, int], torch.Tensor] = {}
+    down_state: dict[tuple[int, int], dict] = {}
     learners: dict[str, _Learner] = {}
     for lid in sorted(learner_ids):
         model = copy.deepcopy(init)
@@ -63,11 +81,16 @@ def reference_run(
         sent = [learners[i].sent[p] for i in order]
         weights = [contribution_weight(sc.weighting, s[4], s[3]) for s in sent]
         merged = merge_deltas([s[2] for s in sent], weights, sc.merge, [s.is_embedding for s in f.tensors])
+        old = [th.detach().clone() for th in theta[p]]
         for th, g in zip(theta[p], merged):
             th.grad = g
         outer[p].step()
         for th in theta[p]:
             th.grad = None
+        if not down.lossless:
+            with torch.no_grad():
+                for i, (th, o) in enumerate(zip(theta[p], old)):
+                    th.copy_(o + _lossy_send(down, down_residual, down_state, (p, i), th - o))
 
     def apply(f) -> None:
         p = f.index
@@ -102,6 +125,9 @@ def reference_run(
                 if (t - f.offset) % sch.sync_every == 0:
                     snap = [q.detach().clone() for q in params(L.model, f)]
                     delta = [h - s for h, s in zip(L.held[f.index], snap)]
+                    if not up.lossless:
+                        delta = [_lossy_send(up, L.residual, L.codec_state, (f.index, i), d)
+                                 for i, d in enumerate(delta)]
                     L.sent[f.index] = (t, snap, delta, L.c_steps[f.index], L.c_tokens[f.index])
         for f in frags:
             if all(f.index in L.sent and L.sent[f.index][0] + sch.overlap == t for L in learners.values()):

@@ -11,7 +11,7 @@ import torch
 from rackmend import LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.config import MERGES, WEIGHTINGS
 
-from helpers import batch, make_inner, make_model, run_inprocess
+from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_inprocess
 from reference import reference_run
 
 H = 3
@@ -38,13 +38,7 @@ def _assert_same(config: RackmendConfig, ids: list[str]) -> None:
     for e in hub.merges():
         rounds[e["fragment"]] = rounds.get(e["fragment"], 0) + 1
     assert min(rounds.values()) >= 3 and len(rounds) == config.schedule.num_fragments
-    for lid in ids:
-        got = dict(models[lid].named_parameters())
-        for name, ref in ref_models[lid].named_parameters():
-            assert torch.equal(got[name], ref), f"{lid}.{name} differs from the reference"
-    for p, ref in enumerate(ref_theta):
-        for a, b in zip(hub.core.theta[p], ref):
-            assert torch.equal(a, b), f"syncer fragment {p} differs from the reference"
+    assert_equal_to_reference(models, hub, ref_models, ref_theta)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend import CompressionConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+
+from rackmend.core.fragments import pack_fragments
 
 from helpers import batch, make_inner, make_model
 from reference import reference_run
@@ -132,6 +134,52 @@ def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Pat
         hellos = [e for e in events(tmp_path) if e["event"] == "join"]
         assert len(hellos) == len(ids) * ranks
         assert not [e for e in events(tmp_path) if e["event"] == "superseded"], "a fragment was sent twice"
+
+
+def test_compressed_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path) -> None:
+    """int4 uplink, int8 downlink through the wire and ZmqLink's delta reconstruction:
+    models equal the reference with the same codecs, every learner's held values are
+    the syncer's (checkpointed history) bit for bit."""
+    ids, H, P, tau, steps = ["l0", "l1", "l2"], 3, 2, 1, 12
+    codecs = ("--uplink-codec", "int4", "--downlink-codec", "int8")
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "3", "--learners", ",".join(ids),
+                                    "--overlap", str(tau), "--checkpoint-dir", str(ck), "--anchoring", "syncer",
+                                    *codecs)
+    learners = {lid: procs.learner(endpoint, lid, "--steps", str(steps), "--H", str(H), "--P", str(P),
+                                   "--tau", str(tau), "--deterministic", "--learners", ",".join(ids), *codecs,
+                                   "--out", str(tmp_path / f"{lid}.safetensors"),
+                                   "--held-out", str(tmp_path / f"{lid}.held.safetensors"))
+                for lid in ids}
+    for lid, proc in learners.items():
+        finish(proc, procs, lid, timeout=120)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(20) == 0
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+                            syncer=SyncerConfig(min_quorum=3, learners=tuple(ids)),
+                            compression=CompressionConfig(uplink="int4", downlink="int8"), deterministic=True)
+    torch.set_num_threads(1)
+    ref_models, ref_theta = reference_run(make_model, make_inner, batch, config, ids, steps)
+    checkpoint = load_file(str(ck / "syncer.safetensors"))
+    for p, values in enumerate(ref_theta):
+        for i, value in enumerate(values):
+            assert torch.equal(checkpoint[f"theta/{p}/{i}"], value), f"syncer fragment {p} differs from the reference"
+    assert any(k.startswith("downlink/residual/") for k in checkpoint), "the checkpoint lacks the downlink residual"
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref_models[lid].state_dict().items():
+            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+        held = load_file(str(tmp_path / f"{lid}.held.safetensors"))
+        for p, v in enumerate(held["versions"].tolist()):
+            assert v >= 3
+            for i in range(len(ref_theta[p])):
+                assert torch.equal(held[f"held/{p}/{i}"], checkpoint[f"history/{p}/{v}/{i}"]), \
+                    f"{lid} holds fragment {p} v{v} unlike the syncer"
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert len(merges) >= P * 3 and all(e["codecs"] == {lid: "int4" for lid in ids} for e in merges)
+    full = [f.nbytes for f in pack_fragments(make_model(), P, H)]
+    assert all(e["bytes_out"] < full[e["fragment"]] * len(ids) / 3 for e in merges), "updates were not compressed"
+    assert not [e for e in events(tmp_path) if e["event"] in ("fetch", "bad_message", "reject")]
 
 
 def test_sigkilled_learner_stalls_nobody_and_rejoins(procs: Procs, tmp_path: Path) -> None:

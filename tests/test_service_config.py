@@ -58,3 +58,14 @@ def test_help_documents_every_option() -> None:
                          text=True, timeout=60, check=True).stdout
     for o in OPTIONS:
         assert "--" + o.name.replace("_", "-") in out and "RACKMEND_" + o.name.upper() in out
+
+
+def test_codec_options_reach_the_config(tmp_path: Path) -> None:
+    f = tmp_path / "syncer.toml"
+    f.write_text('uplink_codec = "powersgd:rank=4"\ndownlink_codec = "int8"\n')
+    config, _ = build(resolve(parse("--config", str(f)), {"RACKMEND_DOWNLINK_CODEC": "int4:block_size=32"}))
+    assert config.compression.uplink == "powersgd:rank=4"
+    assert config.compression.build_downlink().block_size == 32  # environment over file
+    assert build(resolve(parse(), {}))[0].compression.build_downlink().lossless  # default: none
+    with pytest.raises(ConfigError, match="compression.downlink.*int9"):
+        build(resolve(parse("--downlink-codec", "int9"), {}))

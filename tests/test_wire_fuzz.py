@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.codecs import make_codec
 from rackmend.core.fragments import layout_to_wire, pack_fragments
+from rackmend.core.messages import Contribution
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
@@ -126,11 +128,33 @@ CASES = st.one_of(
                                                     ("step", "x"), ("base_version", 1.5)])),
     st.tuples(st.just("stranger"), st.text(alphabet="abcdefgh", min_size=1, max_size=10)),
     st.tuples(st.just("badid"), st.text(alphabet=" /\\\n\x00!", min_size=1, max_size=5)),
+    st.tuples(st.just("codec_id"), st.integers(-3, 300).filter(lambda v: v not in range(5))),
+    st.tuples(st.just("block_size"), st.sampled_from([0, -1, 2**17, "x", 1.5, None])),
+    st.tuples(st.just("frame_count"), st.integers(0, 5).filter(lambda v: v != 2)),
 )
+
+
+def _encoded(rig: Rig, codec: str, frag: int = 0, **over) -> tuple[dict, list]:
+    """Header (as a dict) and frames of a valid contribution compressed with ``codec``."""
+    g = torch.Generator().manual_seed(7)
+    encs = tuple(make_codec(codec).encode(torch.randn(t.shape, generator=g) * 0.01) for t in rig.frags[frag].tensors)
+    c = Contribution("mallory", frag, rig.svc.core.versions[frag], 4, 4, 16.0, 0.01,
+                     tensors=tuple(torch.zeros(e.shape) for e in encs), encoded=encs)
+    frames = wire.contribution_frames(c, 0)
+    return {**msgpack.unpackb(frames[0]), **over}, list(frames[1:])
 
 
 def _frames(rig: Rig, case: tuple) -> list:
     kind, arg = case
+    if kind in ("codec_id", "block_size", "frame_count"):
+        header, frames = _encoded(rig, "int4")
+        if kind == "codec_id":
+            header["codec"] = arg
+        elif kind == "block_size":
+            header["tensors"][0]["params"] = {"block_size": arg}
+        else:
+            header["tensors"][0]["frames"] = arg
+        return [msgpack.packb(header), *frames]
     tensors = _valid_tensors(rig, 0)
     header = _contrib_header()
     if kind == "garbage":
@@ -181,6 +205,99 @@ def test_valid_contribution_is_accepted(rig: Rig) -> None:
     rig.send(wire.encode({**header, "tensors": wire._tensor_meta(tensors)}, tensors))
     assert rig.drain(0.5) == []
     assert not [r for r in rig.records[before:] if r["event"] in ("reject", "bad_message") and r.get("learner") == "mallory"]
+
+
+def _bad_codec_message(rig: Rig, kind: str) -> list:
+    """A compressed contribution broken in one way (see the parametrisation below)."""
+    if kind == "huge_rank":
+        header, frames = _encoded(rig, "powersgd")
+        lowrank = next(m for m in header["tensors"] if m["params"].get("mode") == "lowrank")
+        lowrank["params"]["rank"] = 10**6
+        return [msgpack.packb(header), *frames]
+    if kind == "rank_too_big_for_shape":
+        header, frames = _encoded(rig, "powersgd")
+        lowrank = next(m for m in header["tensors"] if m["params"].get("mode") == "lowrank")
+        lowrank["params"]["rank"] = 64
+        return [msgpack.packb(header), *frames]
+    header, frames = _encoded(rig, "int8" if kind == "overflow_scale" else "int4")
+    if kind == "short_frame":
+        frames[1] = bytes(frames[1])[:-1]
+    elif kind == "extra_frame":
+        frames.append(b"\0" * 4)
+    elif kind == "missing_params":
+        header["tensors"][0]["params"] = {}
+    elif kind == "dtype":
+        header["tensors"][0]["dtype"] = "float16"
+    elif kind == "negative_scale":
+        frames[0] = torch.full((len(bytes(frames[0])) // 4,), -1.0).numpy().tobytes()
+    elif kind == "overflow_scale":  # finite scales, but 127 * 1e38 decodes to Inf
+        frames[0] = torch.full((len(bytes(frames[0])) // 4,), 1e38).numpy().tobytes()
+        frames[1] = torch.full((len(bytes(frames[1])),), 127, dtype=torch.int8).numpy().tobytes()
+    elif kind == "bf16_nan":
+        header, frames = _encoded(rig, "bf16")
+        nan = torch.full((len(bytes(frames[0])) // 2,), math.nan, dtype=torch.bfloat16)
+        frames[0] = nan.view(torch.int16).numpy().tobytes()
+    return [msgpack.packb(header), *frames]
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8:block_size=16", "bf16", "powersgd:rank=2"])
+def test_valid_compressed_contribution_is_accepted(rig: Rig, codec: str) -> None:
+    """The syncer takes any registered uplink codec (messages name theirs) and logs it."""
+    name, _, param = codec.partition(":")
+    header, frames = _encoded(rig, name)
+    if param:
+        key, value = param.split("=")
+        g = torch.Generator().manual_seed(7)
+        encs = [make_codec(name, **{key: int(value)}).encode(torch.randn(t.shape, generator=g))
+                for t in rig.frags[0].tensors]
+        header["tensors"] = [{"dtype": "float32", "shape": list(e.shape), "params": e.params,
+                              "frames": len(e.frames)} for e in encs]
+        frames = [f for e in encs for f in wire.encode({}, e.frames)[1:]]
+    for _ in range(5):  # the healthy learner's merges may make the message stale in flight; then again
+        header["base_version"] = rig.svc.core.versions[0]
+        before = len(rig.records)
+        rig.send([msgpack.packb(header), *frames])
+        errors = rig.drain(0.5)
+        if not (errors and "stale" in errors[0]["reason"]):
+            break
+    assert errors == []
+    assert not [r for r in rig.records[before:] if r["event"] in ("reject", "bad_message")]
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        merged = [r for r in rig.records[before:] if r["event"] == "merge" and "mallory" in r["merged"]]
+        if merged:
+            assert merged[0]["codecs"]["mallory"] == name
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"a valid {codec} contribution was never merged")
+
+
+@pytest.mark.parametrize("kind,code,reason", [
+    ("huge_rank", "bad_message", "out of range"),
+    ("rank_too_big_for_shape", "bad_message", "not smaller than"),
+    ("short_frame", "bad_message", "bytes, expected"),
+    ("extra_frame", "bad_message", "declare"),
+    ("missing_params", "bad_message", "missing"),
+    ("dtype", "bad_message", "expected float32"),
+    ("negative_scale", "bad_message", "scales must be finite and >= 0"),
+    ("overflow_scale", "rejected", "non-finite"),
+    ("bf16_nan", "rejected", "non-finite"),
+])
+def test_bad_compressed_contribution_is_rejected_and_logged(rig: Rig, kind: str, code: str, reason: str) -> None:
+    merges_before = rig.merges_of_l0()
+    for _ in range(5):  # the healthy learner's merges may make the message stale in flight; then again
+        before = len(rig.records)
+        rig.send(_bad_codec_message(rig, kind))
+        errors = rig.drain(5.0)
+        if not (errors and "stale" in errors[0]["reason"]):
+            break
+    assert errors and errors[0]["code"] == code and reason in errors[0]["reason"], errors
+    logged = [r for r in rig.records[before:] if r["event"] in ("bad_message", "reject")]
+    assert logged and reason in logged[0]["reason"]
+    end = time.monotonic() + 20
+    while rig.merges_of_l0() <= merges_before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert rig.merges_of_l0() > merges_before, "healthy rounds stopped completing"
 
 
 N_CASES = 0

@@ -12,6 +12,7 @@ with a syncer that merges whatever arrived (Decoupled DiLoCo). Layout:
 
 from rackmend.config import (
     ConfigError,
+    CompressionConfig,
     LearnerConfig,
     RackmendConfig,
     ScheduleConfig,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "CompressionConfig",
     "LearnerConfig",
     "RackmendConfig",
     "ScheduleConfig",

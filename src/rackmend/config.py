@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
+from rackmend.codecs.base import Codec, CodecError
+from rackmend.codecs.registry import CODECS, parse_codec_spec
+
 __all__ = [
     "ConfigError",
+    "CompressionConfig",
     "ScheduleConfig",
     "SyncerConfig",
     "LearnerConfig",
@@ -218,6 +222,63 @@ class LearnerConfig:
 
 
 @dataclass(kw_only=True)
+class CompressionConfig:
+    """Codecs of the two directions. Each is a spec string ``name[:key=value,...]``
+    naming a codec of ``rackmend.codecs.CODECS`` (``none``, ``bf16``, ``int8``, ``int4``,
+    ``powersgd``), e.g. ``"int4"``, ``"int4:block_size=32"``, ``"powersgd:rank=4"``.
+    Lossy codecs need float32 parameters and carry an error-feedback residual."""
+
+    uplink: str = "none"
+    """Codec of the learners' outer gradients (learner -> syncer). Each learner keeps
+    a residual per fragment tensor and adds it to the next send, so what is dropped
+    now is sent later. The syncer accepts whatever registered codec a learner uses
+    (messages name their codec); this field is what learners encode with."""
+
+    downlink: str = "none"
+    """Codec of the syncer's updates (syncer -> learners): each merge sends the
+    encoded change since the previous version, and the syncer sets its own value to
+    exactly what learners reconstruct, so every copy stays bit-identical. The syncer
+    keeps the residual. Joins and resynchronisations always travel uncompressed."""
+
+    def validate(self) -> None:
+        for name in ("uplink", "downlink"):
+            self._build(name)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def _build(self, name: str) -> Codec:
+        text = getattr(self, name)
+        try:
+            return parse_codec_spec(text)
+        except CodecError as exc:
+            raise ConfigError(
+                f"compression.{name}={text!r}: {exc}. Codecs: {', '.join(CODECS)}; "
+                "spec form name[:key=value,...], e.g. 'int4:block_size=32' or 'powersgd:rank=4'"
+            ) from None
+
+    def require_float32(self, name: str, tensors: Iterable[tuple[str, torch.dtype]]) -> None:
+        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``
+        or ``downlink``) is lossy: codecs encode float32 only, and silently sending such
+        tensors uncompressed would hide that the setting has no effect."""
+        if self._build(name).lossless:
+            return
+        for tensor, dtype in tensors:
+            _check(dtype == torch.float32,
+                   f"compression.{name}={getattr(self, name)!r} is lossy and needs float32 parameters, but "
+                   f"{tensor} is {dtype}; keep float32 master weights (autocast for the compute) or use "
+                   f"{name}='none'")
+
+    def build_uplink(self) -> Codec:
+        """The codec learners encode outer gradients with."""
+        return self._build("uplink")
+
+    def build_downlink(self) -> Codec:
+        """The codec the syncer encodes update deltas with."""
+        return self._build("downlink")
+
+
+@dataclass(kw_only=True)
 class RackmendConfig:
     """Everything a rackmend run needs; learner and syncer must use equal values."""
 
@@ -230,13 +291,16 @@ class RackmendConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """How merged values are applied on the learner."""
 
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs of outer gradients (uplink) and updates (downlink); lossless by default."""
+
     deterministic: bool = False
     """Bit-for-bit reproducible runs: every learner blocks at t_send + tau until the
     merged value is there, and every round waits for the whole roster (no grace timing).
     Slower by design; for tests and debugging."""
 
     def validate(self) -> None:
-        for name in ("schedule", "syncer", "learner"):
+        for name in ("schedule", "syncer", "learner", "compression"):
             getattr(self, name).validate()
 
     def __post_init__(self) -> None:

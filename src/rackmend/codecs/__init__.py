@@ -9,16 +9,17 @@ which checks every byte count before anything is decoded.
 """
 
 from rackmend.codecs.base import Codec, CodecError, Encoded
-from rackmend.codecs.feedback import ErrorFeedback
+from rackmend.codecs.feedback import ErrorFeedback, FeedbackEncoder
 from rackmend.codecs.powersgd import PowerSGDCodec
 from rackmend.codecs.quant import MAX_BLOCK_SIZE, BF16Codec, IdentityCodec, Int4Codec, Int8Codec
-from rackmend.codecs.registry import CODECS, make_codec
+from rackmend.codecs.registry import CODECS, CODECS_BY_ID, codec_by_id, make_codec, parse_codec_spec
 
 __all__ = [
     "Codec",
     "CodecError",
     "Encoded",
     "ErrorFeedback",
+    "FeedbackEncoder",
     "IdentityCodec",
     "BF16Codec",
     "Int8Codec",
@@ -26,5 +27,8 @@ __all__ = [
     "PowerSGDCodec",
     "MAX_BLOCK_SIZE",
     "CODECS",
+    "CODECS_BY_ID",
     "make_codec",
+    "parse_codec_spec",
+    "codec_by_id",
 ]

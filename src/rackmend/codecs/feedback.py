@@ -23,7 +23,7 @@ import torch
 
 from rackmend.codecs.base import Codec, CodecError, Encoded
 
-__all__ = ["ErrorFeedback", "FeedbackKey"]
+__all__ = ["ErrorFeedback", "FeedbackEncoder", "FeedbackKey"]
 
 FeedbackKey = Hashable
 """A residual's key: a str, an int, or a tuple of those (nested tuples allowed)."""
@@ -69,6 +69,14 @@ class ErrorFeedback:
         Lossless codecs keep none: a residual left by an earlier lossy codec is
         added once (so nothing is lost when switching) and then dropped.
         """
+        return self.encode_decoded(key, x, codec, state)[0]
+
+    def encode_decoded(
+        self, key: FeedbackKey, x: torch.Tensor, codec: Codec, state: dict[str, Any] | None = None
+    ) -> tuple[Encoded, torch.Tensor]:
+        """Like :meth:`encode`, and also return ``codec.decode(enc)``: exactly what a
+        receiver reconstructs (bit for bit), so a sender that must apply the same
+        value as its receivers uses this tensor, never ``y - residual``."""
         _jsonable(key)
         residual = self._residuals.get(key)
         if residual is not None:
@@ -81,11 +89,12 @@ class ErrorFeedback:
         else:
             y = x
         enc = codec.encode(y, state)
+        decoded = codec.decode(enc)
         if codec.lossless:
             self._residuals.pop(key, None)
         else:
-            self._residuals[key] = y - codec.decode(enc)
-        return enc
+            self._residuals[key] = y - decoded
+        return enc, decoded
 
     def residual(self, key: FeedbackKey) -> torch.Tensor | None:
         """The residual held for ``key`` (not a copy), or None."""
@@ -115,3 +124,50 @@ class ErrorFeedback:
                 raise CodecError(f"error-feedback residual {name!r} must be a float32 tensor")
             loaded[key] = tensor.detach().clone()
         self._residuals = loaded
+
+
+class FeedbackEncoder:
+    """One codec with error feedback and per-key codec state (PowerSGD's warm-start Q):
+    what a sender of a stream of tensors keeps, learner (uplink) and syncer (downlink)
+    alike. Keys as for :class:`ErrorFeedback`, e.g. ``(fragment, tensor_index)``."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.feedback = ErrorFeedback()
+        self.states: dict[FeedbackKey, dict[str, Any]] = {}
+
+    def encode_decoded(self, key: FeedbackKey, x: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+        """(encoded, decoded) of ``x`` plus the residual of ``key``; see ErrorFeedback."""
+        return self.feedback.encode_decoded(key, x, self.codec, self.states.setdefault(key, {}))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat ``{name: tensor}`` (copies): ``residual/<key>`` and ``state/<key>/<field>``,
+        so it fits a safetensors checkpoint as it is."""
+        out = {f"residual/{k}": v.detach().clone() for k, v in self.feedback.state_dict().items()}
+        for key, state in self.states.items():
+            for field, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise CodecError(f"{self.codec.name}: codec state {field!r} of key {key!r} is not a tensor; "
+                                     "only tensor state can be checkpointed")
+                out[f"state/{_key_to_str(key)}/{field}"] = value.detach().clone()
+        return out
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace residuals and codec state with (copies of) those in ``tensors``."""
+        residuals: dict[str, torch.Tensor] = {}
+        states: dict[FeedbackKey, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            kind, _, rest = name.partition("/")
+            if kind == "residual":
+                residuals[rest] = value
+            elif kind == "state" and "/" in rest:
+                key_text, _, field = rest.rpartition("/")
+                try:
+                    key = _key_from_json(json.loads(key_text))
+                except (TypeError, json.JSONDecodeError):
+                    raise CodecError(f"codec state name {name!r} does not hold a JSON-encoded key") from None
+                states.setdefault(key, {})[field] = value.detach().clone()
+            else:
+                raise CodecError(f"compression state entry {name!r} is neither residual/<key> nor state/<key>/<field>")
+        self.feedback.load_state_dict(residuals)
+        self.states = states

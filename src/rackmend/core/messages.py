@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rackmend.codecs.base import Encoded
+
 __all__ = ["Contribution", "Update"]
 
 
@@ -30,7 +32,11 @@ class Contribution:
     step_time: float
     """Mean seconds per inner step over those steps (0 when unknown)."""
     tensors: tuple[torch.Tensor, ...]
-    """Delta = global - local, one tensor per fragment tensor, on the host."""
+    """Delta = global - local, one tensor per fragment tensor, on the host. With a
+    lossy uplink codec these are the *decoded* values, i.e. what the syncer merges."""
+    encoded: tuple[Encoded, ...] | None = None
+    """The same deltas as encoded by a lossy uplink codec (what a network transport
+    ships); None when they travel uncompressed."""
 
 
 @dataclass(frozen=True)
@@ -44,3 +50,7 @@ class Update:
     reset: bool = False
     """Sent in answer to a (re)join: the learner adopts it whatever version it holds
     (after a syncer restart versions may go back to the last checkpoint)."""
+    delta: tuple[Encoded, ...] | None = None
+    """With a lossy downlink codec: the change from version - 1 as encoded, which a
+    network transport ships instead of ``tensors`` (full value = value of version - 1
+    + decode(delta), bit for bit equal to ``tensors``). None: send ``tensors``."""

@@ -12,6 +12,11 @@ the current version), then for the
 adaptive grace window (or until every expected, healthy learner is in), merge in
 canonical order, run the outer optimizer on the syncer's own copy, bump the
 version and send the new value to every connected learner.
+
+With a lossy downlink codec the outer step's change is encoded (with a syncer-side
+error-feedback residual per fragment tensor) and the syncer's own value becomes the
+old value plus the *decoded* change, exactly what every learner reconstructs; the
+update then carries that encoded change as ``delta`` next to the full value.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from rackmend.codecs.base import Encoded
+from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
@@ -174,6 +181,11 @@ class SyncerCore:
         self.xi_quorum = Ema(sc.ema_decay)
         self.xi_sync = Ema(sc.ema_decay)
         self.rejected = 0
+        downlink = config.compression.build_downlink()
+        self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
+        """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
+        config.compression.require_float32(
+            "downlink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         if sc.anchoring == "syncer":
             for p in range(len(self.fragments)):
                 self.history[p][0] = [t.clone() for t in self.theta[p]]
@@ -271,6 +283,9 @@ class SyncerCore:
             "rejected": self.rejected,
             "learners": sorted(self.members),
         }
+        if self.downlink is not None:
+            for name, t in self.downlink.state_dict().items():
+                tensors[f"downlink/{name}"] = t
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -309,13 +324,29 @@ class SyncerCore:
         self.rejected = int(meta["rejected"])
         for lid in meta["learners"]:
             self.members.setdefault(lid, _Member(connected=False, expected=True))
+        if self.downlink is not None:
+            # Without the residual, what the codec held back before the checkpoint is lost.
+            self.downlink.load_state_dict(
+                {k.removeprefix("downlink/"): v for k, v in tensors.items() if k.startswith("downlink/")})
 
     # ------------------------------------------------------------------ internals
     def _log(self, now: float, event: str, **fields: object) -> LogRecord:
         return LogRecord({"event": event, "t": now, **fields})
 
-    def _snapshot(self, p: int) -> Update:
-        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]))
+    def _snapshot(self, p: int, delta: tuple[Encoded, ...] | None = None) -> Update:
+        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]), delta=delta)
+
+    @torch.no_grad()
+    def _compress_change(self, p: int, old: list[torch.Tensor]) -> tuple[Encoded, ...]:
+        """Encode theta - old per tensor (with feedback) and set theta = old + decoded:
+        the same sum, in the same order, that learners compute from what they hold."""
+        assert self.downlink is not None
+        out = []
+        for i, (theta, base) in enumerate(zip(self.theta[p], old)):
+            enc, dec = self.downlink.encode_decoded((p, i), theta - base)
+            theta.copy_(base + dec)
+            out.append(enc)
+        return tuple(out)
 
     @staticmethod
     def _check_tensors(spec: FragmentSpec, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -430,11 +461,13 @@ class SyncerCore:
             [t.is_embedding for t in spec.tensors],
         )
         opt = self.optimizers[p]
+        old = [t.detach().clone() for t in self.theta[p]] if self.downlink is not None else None
         for theta, g in zip(self.theta[p], merged):
             theta.grad = g
         opt.step()
         for theta in self.theta[p]:
             theta.grad = None
+        delta = self._compress_change(p, old) if old is not None else None
         round_index = self.versions[p]
         self.versions[p] += 1
         version = self.versions[p]
@@ -443,7 +476,7 @@ class SyncerCore:
             hist[version] = [t.clone() for t in self.theta[p]]
             for v in [v for v in hist if v < version - sc.max_staleness]:
                 del hist[v]
-        self.current[p] = self._snapshot(p)
+        self.current[p] = self._snapshot(p, delta)
         expected = self.expected_learners()
         to = self.connected_learners()
         first = now if rnd.first_arrival is None else rnd.first_arrival
@@ -462,8 +495,10 @@ class SyncerCore:
                 quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
                 wait_s=now - first,
                 grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,
-                bytes_in=spec.nbytes * len(contribs),
-                bytes_out=spec.nbytes * len(to),
+                codecs=dict(zip(ids, (c.encoded[0].codec if c.encoded else "none" for c in contribs))),
+                bytes_in=sum(spec.nbytes if c.encoded is None else sum(e.nbytes() for e in c.encoded)
+                             for c in contribs),
+                bytes_out=(spec.nbytes if delta is None else sum(e.nbytes() for e in delta)) * len(to),
             )
         )
         self.rounds[p] = _Round()

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
@@ -97,6 +98,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.blocked_seconds = 0.0
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
+        """Bytes of outer gradients sent (encoded bytes with a lossy uplink codec)."""
+        uplink = config.compression.build_uplink()
+        self._uplink: FeedbackEncoder | None = None if uplink.lossless else FeedbackEncoder(uplink)
+        """Error feedback and codec state per (fragment, tensor) of a lossy uplink codec.
+        Only the owner rank of a fragment encodes it (it is the only one sending)."""
+        config.compression.require_float32(
+            "uplink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
         self._pinned: dict[int, list[torch.Tensor]] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
@@ -141,6 +149,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "c_tokens": list(self.c_tokens),
                 "c_time": list(self.c_time),
                 "held": [[t.clone() for t in h] for h in self.held],
+                "uplink": {} if self._uplink is None else self._uplink.state_dict(),
             },
         }
 
@@ -154,6 +163,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.c_steps = [int(x) for x in rs["c_steps"]]
         self.c_tokens = [float(x) for x in rs["c_tokens"]]
         self.c_time = [float(x) for x in rs["c_time"]]
+        if self._uplink is not None:
+            # Without its residuals a restored learner would silently drop what the
+            # codec held back before the checkpoint.
+            self._uplink.load_state_dict(rs.get("uplink", {}))
         for p, (version, held) in enumerate(zip(rs["versions"], rs["held"])):
             if int(version) >= self.versions[p]:
                 self.held[p] = [t.clone() for t in held]
@@ -349,6 +362,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
             return
         snapshot = self._snapshot(p)
         delta = tuple(h - s for h, s in zip(self.held[p], snapshot))
+        encoded = None
+        nbytes = self.fragments[p].nbytes
+        if self._uplink is not None:
+            pairs = [self._uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
+            encoded = tuple(enc for enc, _ in pairs)
+            delta = tuple(dec for _, dec in pairs)  # what the syncer will merge, bit for bit
+            nbytes = sum(enc.nbytes() for enc in encoded)
         steps = self.c_steps[p]
         contribution = Contribution(
             learner_id=self.learner_id,
@@ -359,9 +379,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
             c_tokens=self.c_tokens[p],
             step_time=self.c_time[p] / steps if steps else 0.0,
             tensors=delta,
+            encoded=encoded,
         )
         self.link.send(contribution)
-        self.bytes_sent += self.fragments[p].nbytes
+        self.bytes_sent += nbytes
         # Pinned buffers are reused at the next send, so keep_local holds its own copy.
         keep = None
         if self.config.learner.apply == "keep_local":

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.config import (
+    CompressionConfig,
+    ConfigError,
+    LearnerConfig,
+    RackmendConfig,
+    ScheduleConfig,
+    SyncerConfig,
+)
 
 __all__ = ["OPTIONS", "add_syncer_arguments", "syncer_main", "add_keygen_arguments", "keygen_main"]
 
@@ -57,7 +64,7 @@ class Option:
     parse: Callable[[Any], Any]
     default: Any
     help: str
-    section: str  # service | schedule | syncer | run
+    section: str  # service | schedule | syncer | compression | run
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -84,6 +91,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
     Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
     Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
+    Option("uplink_codec", str, "none", "codec learners use for outer gradients (name[:key=value,...], e.g. "
+           "int4 or powersgd:rank=4); the syncer accepts any registered codec and logs it per merge",
+           "compression"),
+    Option("downlink_codec", str, "none", "codec of the syncer's updates (e.g. int8); joins and fetches stay "
+           "full precision", "compression"),
     Option("deterministic", _bool, False, "bit-reproducible mode: rounds wait for the whole roster", "run"),
 )
 
@@ -137,6 +149,7 @@ def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
         schedule=ScheduleConfig(sync_every=overlap + 1, num_fragments=1, overlap=overlap),
         syncer=syncer,
         learner=LearnerConfig(),
+        compression=CompressionConfig(uplink=values["uplink_codec"], downlink=values["downlink_codec"]),
         deterministic=values["deterministic"],
     )
     service = ServiceConfig(

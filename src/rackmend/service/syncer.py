@@ -252,6 +252,9 @@ class SyncerService:
             if not self._ranks_of(lid):
                 self._drive(LearnerLeft(lid, "leave"))
             return
+        if msg.type == "fetch":
+            self._fetch(ident, peer, msg)
+            return
         assert msg.type == "contrib" and self.core is not None
         self._drive(ContributionArrived(wire.parse_contribution(msg, self.core.fragments)))
 
@@ -289,6 +292,19 @@ class SyncerService:
             if peer.owns(upd.fragment):
                 self._send(ident, wire.update_frames(upd, reset=True))
 
+    def _fetch(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
+        """A learner lost a delta update: answer with the full current value (codec 0,
+        not a reset, so it is applied like any merged value)."""
+        assert self.core is not None
+        p = msg.header.get("fragment")
+        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.core.fragments):
+            raise wire.WireError(f"fetch for unknown fragment {str(p)[:20]}")
+        if not peer.owns(p):
+            raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
+        upd = self.core.current[p]
+        self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=p, version=upd.version)
+        self._send(ident, wire.update_frames(upd, full=True))
+
     def _init(self, ident: bytes, msg: wire.Message) -> None:
         pend = self._pending
         if self.core is not None or pend is None:
@@ -299,7 +315,13 @@ class SyncerService:
         tensors = wire.parse_tensors(msg, pend.layout[p])
         pend.values[p] = tuple(t.clone() for t in tensors)
         if len(pend.values) == len(pend.layout):
-            self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))])
+            try:
+                self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))])
+            except ConfigError as exc:  # e.g. a lossy downlink codec for a bfloat16 model
+                self._pending = None
+                for waiting_ident, _ in pend.waiting:
+                    self._send(waiting_ident, wire.encode({"type": "error", "code": "fatal", "reason": str(exc)}))
+                raise wire.WireError(f"cannot start on this model: {exc}") from None
             self._event("initialised", learner=msg.header["learner"])
             self._pending = None
             for waiting_ident, hello in pend.waiting:

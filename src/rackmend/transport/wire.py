@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import msgpack
 import torch
 
+from rackmend.codecs.base import CodecError, Encoded
+from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
 from rackmend.core.fragments import dtype_name
 from rackmend.core.messages import Contribution, Update
@@ -33,20 +35,22 @@ __all__ = [
     "contribution_frames",
     "update_frames",
     "init_frames",
+    "fetch_frames",
     "parse_contribution",
     "parse_tensors",
+    "parse_encoded",
     "layout_to_wire",
     "layout_from_wire",
 ]
 
 PROTOCOL_VERSION = 1
 CODEC_NONE = 0
-"""Codec id of uncompressed tensors; compression codecs get their own ids."""
+"""Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
 """A header larger than this is refused before it is parsed (a layout of ~10k tensors fits)."""
 
 _LEARNER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave")
+LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch")
 SYNCER_TYPES = ("update", "init_request", "error", "bye")
 
 
@@ -80,18 +84,48 @@ def _tensor_meta(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
             for t in tensors]
 
 
+def _payload(tensors: Sequence[torch.Tensor], encoded: Sequence[Encoded] | None) -> tuple[dict[str, Any], list[Any]]:
+    """Header fields ``codec`` and ``tensors`` plus the frames, uncompressed or encoded.
+
+    Encoded entries give the decoded ``dtype`` (float32) and ``shape``, the codec's
+    ``params`` and how many ``frames`` follow; each frame's byte length is implied by
+    ``Codec.frame_layout(shape, params)``, so the receiver checks it exactly.
+    """
+    if encoded is None:
+        return {"codec": CODEC_NONE, "tensors": _tensor_meta(tensors)}, list(tensors)
+    names = {e.codec for e in encoded}
+    if len(names) > 1:
+        raise ValueError(f"one message carries one codec, got {sorted(names)}")
+    codec_id = CODECS[names.pop()].codec_id if names else CODEC_NONE
+    meta = [{"dtype": "float32", "shape": list(e.shape), "params": dict(e.params), "frames": len(e.frames)}
+            for e in encoded]
+    return {"codec": codec_id, "tensors": meta}, [f for e in encoded for f in e.frames]
+
+
 def contribution_frames(c: Contribution, rank: int) -> list[Any]:
+    fields, frames = _payload(c.tensors, c.encoded)
     return encode({
         "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
-        "step_time": float(c.step_time), "codec": CODEC_NONE, "tensors": _tensor_meta(c.tensors),
-    }, c.tensors)
+        "step_time": float(c.step_time), **fields,
+    }, frames)
 
 
-def update_frames(u: Update, reset: bool = False) -> list[Any]:
-    """``reset``: an answer to a (re)join, adopted whatever version the learner holds."""
+def update_frames(u: Update, reset: bool = False, *, full: bool = False) -> list[Any]:
+    """``reset``: an answer to a (re)join, adopted whatever version the learner holds.
+    An update carrying an encoded ``delta`` ships it (``delta: true``, ``base_version``
+    = version - 1) unless ``reset`` or ``full`` asks for the full-precision value."""
+    if u.delta is not None and not reset and not full:
+        fields, frames = _payload(u.tensors, u.delta)
+        return encode({"type": "update", "fragment": u.fragment, "version": u.version, "reset": False,
+                       "delta": True, "base_version": u.version - 1, **fields}, frames)
     return encode({"type": "update", "fragment": u.fragment, "version": u.version, "codec": CODEC_NONE,
                    "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
+
+
+def fetch_frames(learner_id: str, rank: int, fragment: int) -> list[Any]:
+    """Ask for the current full-precision value of ``fragment`` (after a lost delta)."""
+    return encode({"type": "fetch", "learner": learner_id, "rank": rank, "fragment": fragment})
 
 
 def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor]) -> list[Any]:
@@ -144,19 +178,61 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
 
 
 def parse_tensors(msg: Message, spec: FragmentSpec) -> tuple[torch.Tensor, ...]:
-    """Tensor frames of ``msg`` checked against ``spec`` and viewed without a copy."""
+    """Uncompressed (codec 0) tensor frames of ``msg`` checked against ``spec`` and
+    viewed without a copy; any other codec is refused."""
+    tensors, encoded = parse_encoded(msg, spec)
+    if encoded is not None:
+        raise WireError(f"fragment {spec.index}: a full value must travel uncompressed (codec 0), "
+                        f"got codec id {msg.header.get('codec')}")
+    return tensors
+
+
+def parse_encoded(msg: Message, spec: FragmentSpec) -> tuple[tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
+    """Tensors of ``msg`` checked against ``spec``: (values, None) for codec 0, or
+    (decoded float32 values, the encoded tensors) for a compression codec."""
     h = msg.header
-    codec = _field(h, "codec", int)
-    if codec != CODEC_NONE:
-        raise WireError(f"codec id {codec} is not enabled on this syncer")
+    codec_id = _field(h, "codec", int)
     meta = _field(h, "tensors", list)
-    if len(meta) != len(spec.tensors) or len(msg.frames) != len(spec.tensors):
-        raise WireError(f"fragment {spec.index} has {len(spec.tensors)} tensors; header lists "
-                        f"{len(meta)}, message carries {len(msg.frames)} frames")
-    out = []
-    for m, s, frame in zip(meta, spec.tensors, msg.frames):
+    if len(meta) != len(spec.tensors):
+        raise WireError(f"fragment {spec.index} has {len(spec.tensors)} tensors; header lists {len(meta)}")
+    for m in meta:
         if not isinstance(m, dict):
             raise WireError("tensor entry must be a map")
+    if codec_id == CODEC_NONE:
+        return _parse_plain(msg, spec, meta), None
+    try:
+        codec = codec_by_id(codec_id)
+    except CodecError as exc:
+        raise WireError(str(exc)) from None
+    counts = [m.get("frames") for m in meta]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 16 for n in counts):
+        raise WireError(f"{codec.name}: each tensor entry needs 'frames', an int in [0, 16]")
+    if sum(counts) != len(msg.frames):
+        raise WireError(f"{codec.name}: tensor entries declare {sum(counts)} frames, message carries {len(msg.frames)}")
+    encoded, decoded, start = [], [], 0
+    for m, s, n in zip(meta, spec.tensors, counts):
+        if s.dtype != torch.float32:
+            raise WireError(f"{s.name} is {dtype_name(s.dtype)}; codec {codec.name} carries float32 tensors only")
+        if m.get("dtype") != "float32" or m.get("shape") != list(s.shape):
+            raise WireError(f"{s.name}: expected float32 {list(s.shape)}, "
+                            f"got {str(m.get('dtype'))[:20]} {str(m.get('shape'))[:60]}")
+        try:
+            enc = codec.from_wire(s.shape, m.get("params"), msg.frames[start:start + n])
+            value = codec.decode(enc)
+        except CodecError as exc:  # cut: the text may quote attacker-chosen parameter names
+            raise WireError(f"{s.name}: {str(exc)[:500]}") from None
+        start += n
+        encoded.append(enc)
+        decoded.append(value)
+    return tuple(decoded), tuple(encoded)
+
+
+def _parse_plain(msg: Message, spec: FragmentSpec, meta: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+    if len(msg.frames) != len(spec.tensors):
+        raise WireError(f"fragment {spec.index} has {len(spec.tensors)} tensors; message carries "
+                        f"{len(msg.frames)} frames")
+    out = []
+    for m, s, frame in zip(meta, spec.tensors, msg.frames):
         if m.get("dtype") != dtype_name(s.dtype) or m.get("shape") != list(s.shape):
             raise WireError(f"{s.name}: expected {dtype_name(s.dtype)} {list(s.shape)}, "
                             f"got {str(m.get('dtype'))[:20]} {str(m.get('shape'))[:60]}")
@@ -179,13 +255,12 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     p = _field(h, "fragment", int, minimum=0)
     if p >= len(fragments):
         raise WireError(f"unknown fragment {p} (the layout has {len(fragments)})")
-    return Contribution(
-        learner_id=h["learner"],
-        fragment=p,
+    counters = dict(
         base_version=_field(h, "base_version", int, minimum=0),
         step=_field(h, "step", int, minimum=0),
         c_steps=_field(h, "c_steps", int, minimum=0),
         c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
         step_time=float(_field(h, "step_time", (int, float), minimum=0)),
-        tensors=parse_tensors(msg, fragments[p]),
     )
+    tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
+    return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, **counters)

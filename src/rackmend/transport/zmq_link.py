@@ -5,6 +5,14 @@ an inproc pipe, without copying tensor bytes), sends heartbeats, answers the syn
 requests (initial values, rejoin after a syncer restart) and checks every update
 against the layout before the training thread sees it. ZeroMQ reconnects on its own,
 so a syncer that goes away and comes back needs nothing from the caller.
+
+With a lossy downlink codec the syncer sends each merge as an encoded change from
+the previous version. The I/O thread keeps, per fragment, the latest full value and
+version it received (first from the join's reset updates) and rebuilds the new value
+as held + decode(change), the same sum the syncer computed, so the training thread
+only ever sees full values equal to the syncer's bit for bit. A change whose base is
+not the held version means one was lost: the thread asks for the full value
+(``fetch``) and delivers nothing for that fragment until it arrives.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ log = logging.getLogger("rackmend.link")
 # Each hello makes the syncer send the whole model, so a hello per request would flood
 # a slow link with copies of the model.
 _HELLO_BACKOFF_S = 3.0
+
+FETCH_RETRY_S = 2.0
+"""Seconds after which an unanswered ``fetch`` is sent again (messages can be dropped
+while the syncer is unreachable)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +105,12 @@ class ZmqLink(QueueLink):
         self.bytes_received = 0
         self.dropped_sends = 0
         """Messages not sent because the syncer was unreachable at that moment."""
+        self.fetches_sent = 0
+        """``fetch`` requests sent after a lost delta update (retries included)."""
+        self._global: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        """I/O thread only: per fragment, the latest full value received and its version."""
+        self._fetching: dict[int, float] = {}
+        """I/O thread only: fragments with a fetch outstanding, and when it was sent."""
 
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
@@ -183,6 +201,9 @@ class ZmqLink(QueueLink):
                 if time.monotonic() >= next_beat:
                     self._send(dealer, beat)
                     next_beat = time.monotonic() + self.heartbeat_s
+                for p, sent in list(self._fetching.items()):
+                    if time.monotonic() - sent >= FETCH_RETRY_S:
+                        self._fetch(dealer, p)
         except BaseException as exc:  # surfaced to the training thread by _get
             log.exception("link I/O thread failed")
             self._error = exc
@@ -214,10 +235,9 @@ class ZmqLink(QueueLink):
                 if not isinstance(p, int) or not 0 <= p < len(self._fragments):
                     raise wire.WireError(f"update for unknown fragment {p!r}")
                 version = msg.header.get("version")
-                if not isinstance(version, int) or version < 0:
+                if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                     raise wire.WireError(f"update has a bad version {version!r}")
-                tensors = wire.parse_tensors(msg, self._fragments[p])
-                self._box.put(Update(p, version, tensors, reset=bool(msg.header.get("reset", False))))
+                self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
                 for p, values in enumerate(self._initial):
                     self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
@@ -236,3 +256,38 @@ class ZmqLink(QueueLink):
                     log.warning("syncer rejected a message from %s: %s", self.learner_id, reason)
         except wire.WireError as exc:
             log.warning("dropped a malformed message from the syncer: %s", exc)
+
+    def _on_update(self, dealer: zmq.Socket, msg: wire.Message, p: int, version: int) -> None:
+        """Deliver an update as a full value: a full one as it is, a delta rebuilt on
+        the held value (or, after a gap, a fetch for the full value instead)."""
+        h = msg.header
+        held = self._global.get(p)
+        if not h.get("delta", False):
+            reset = bool(h.get("reset", False))
+            tensors = wire.parse_tensors(msg, self._fragments[p])
+            self._fetching.pop(p, None)
+            if not reset and held is not None and version < held[0]:
+                return  # a fetch answer overtaken by newer values: keep the newer one
+            self._global[p] = (version, tensors)
+            self._box.put(Update(p, version, tensors, reset=reset))
+            return
+        base = h.get("base_version")
+        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
+            raise wire.WireError(f"delta update of version {version} has a bad base_version {base!r}")
+        if held is not None and base < held[0]:
+            return  # older than what is held: nothing to learn from it
+        if held is None or base > held[0]:
+            if p not in self._fetching:  # at most one outstanding; the loop re-sends it
+                self._fetch(dealer, p)
+            return
+        decoded, encoded = wire.parse_encoded(msg, self._fragments[p])
+        # held + decoded, in this order: the syncer's theta = old + decoded, bit for bit.
+        full = tuple(old + d for old, d in zip(held[1], decoded))
+        self._global[p] = (version, full)
+        self._box.put(Update(p, version, full, delta=encoded))
+
+    def _fetch(self, dealer: zmq.Socket, p: int) -> None:
+        log.info("%s lost an update of fragment %d; fetching its full value", self.learner_id, p)
+        self._fetching[p] = time.monotonic()
+        self.fetches_sent += 1
+        self._send(dealer, wire.fetch_frames(self.learner_id or "", self.rank, p))
