@@ -30,7 +30,7 @@ from rackmend.demo.report import loss_at_tokens
 from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings, arm_specs
 from rackmend.workloads import GPTConfig
 
-ARMS = ("local", "data-parallel", "diloco", "rackmend")
+ARMS = ("local", "data-parallel", "diloco", "rackmend", "rackmend-int4")
 # (name, link): the WAN first, then a link with no added latency for the step-time check.
 LINKS = (
     ("wan-100ms-50mbit", LinkPlan(bandwidth_mbit=50.0, latency_ms=100.0, jitter=0.5)),
@@ -51,7 +51,7 @@ def bootstrap_ci(samples: Sequence[float], n: int = 2000, seed: int = 0) -> tupl
 def measure(run: ArmRun, common_tokens: int) -> dict[str, float]:
     healthy = run.learners
     step_times = [t for ls in healthy for t in ls.step_times]
-    loss = loss_at_tokens(run.points, common_tokens)
+    loss = None if run.name == "local" else loss_at_tokens(run.points, common_tokens)
     return {
         "utilization": statistics.mean(run.utilization(ls) for ls in healthy),
         "utilization_min": min(run.utilization(ls) for ls in healthy),
@@ -72,21 +72,25 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 3, --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per learner (default 64, --quick 48)")
-    p.add_argument("--links", default=",".join(name for name, _ in LINKS),
-                   help="comma-separated link settings (default all: %(default)s)")
+    p.add_argument("--links", default=None,
+                   help="comma-separated link settings (default all; --quick: wan-100ms-50mbit,lan-0ms)")
     args = p.parse_args()
     seeds = args.seeds or (2 if args.quick else 3)
     steps = args.steps or (48 if args.quick else 64)
-    chosen = [(n, link) for n, link in LINKS if n in args.links.split(",")]
+    names = args.links or ("wan-100ms-50mbit,lan-0ms" if args.quick else ",".join(n for n, _ in LINKS))
+    chosen = [(n, link) for n, link in LINKS if n in names.split(",")]
     if not chosen:
-        sys.exit(f"--links: none of {args.links!r} is known; use {', '.join(n for n, _ in LINKS)}")
+        sys.exit(f"--links: none of {names!r} is known; use {', '.join(n for n, _ in LINKS)}")
     cells: dict[str, dict[str, list[dict[str, float]]]] = {}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rackmend-paired-") as tmp:
         for link_name, link in chosen:
-            cells[link_name] = {arm: [] for arm in ARMS}
+            # The local arm has no link (one run, at the link with no added latency, is its
+            # step-time baseline); the int4 arm matters where bandwidth is scarce.
+            arms = tuple(a for a in ARMS if a != ("rackmend-int4" if link_name == "lan-0ms" else "local"))
+            cells[link_name] = {arm: [] for arm in arms}
             for seed in range(seeds):
-                s = RunSettings(duration_s=None, max_steps=steps, seed=seed, arms=ARMS, link=link,
+                s = RunSettings(duration_s=None, max_steps=steps, seed=seed, arms=arms, link=link,
                                 faults=FaultPlan.none(), evals=4, model=GPTConfig())
                 runs = {}
                 for name, spec in arm_specs(s).items():
@@ -108,6 +112,11 @@ def main() -> None:
         "bytes_ratio_dp_rackmend": head["data-parallel"]["wan_bytes_per_token"]["median"]
         / head["rackmend"]["wan_bytes_per_token"]["median"],
     }
+    if "rackmend-int4" in head:
+        result["bytes_ratio_rackmend_int4"] = (head["rackmend"]["wan_bytes_per_token"]["median"]
+                                               / head["rackmend-int4"]["wan_bytes_per_token"]["median"])
+        result["loss_ratio_int4_fp32"] = (head["rackmend-int4"]["loss_at_equal_tokens"]["median"]
+                                          / head["rackmend"]["loss_at_equal_tokens"]["median"])
     if "lan-0ms" in rows:
         ratios = [r["step_s_median"] / l["step_s_median"]
                   for r, l in zip(cells["lan-0ms"]["rackmend"], cells["lan-0ms"]["local"])]

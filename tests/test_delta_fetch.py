@@ -40,11 +40,11 @@ def _wait(cond, timeout: float, what: str) -> None:
 def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> None:
     svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
     records: list[dict] = []
-    record, send = svc._record, svc._send
+    record, send = svc._record, svc._send_update
     svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
     dropped: list[dict] = []
 
-    def lossy_send(ident: bytes, frames: list) -> None:
+    def lossy_send(ident: bytes, upd, frames: list, reset: bool = False) -> None:
         """Drop the first delta update of fragment 0 (version >= 2) meant for l0."""
         peer = svc.peers.get(ident)
         header = msgpack.unpackb(bytes(frames[0]))
@@ -52,9 +52,9 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
                 and header.get("delta") and header["fragment"] == 0 and header["version"] >= 2):
             dropped.append(header)
             return
-        send(ident, frames)
+        send(ident, upd, frames, reset)
 
-    svc._send = lossy_send  # type: ignore[method-assign]
+    svc._send_update = lossy_send  # type: ignore[method-assign]
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
     opts: dict[str, RackmendOptimizer] = {}

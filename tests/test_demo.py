@@ -24,7 +24,8 @@ TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
 
 def test_arm_configs_reach_the_syncer_unchanged() -> None:
     """The flags the orchestrator passes to `rackmend syncer` rebuild each arm's syncer config."""
-    s = RunSettings(learners=3, sync_every=8, fragments=2, overlap=1, arms=("data-parallel", "diloco", "rackmend"),
+    s = RunSettings(learners=3, sync_every=8, fragments=2, overlap=1,
+                    arms=("data-parallel", "diloco", "rackmend", "rackmend-int4"),
                     faults=FaultPlan.none())
     for name, spec in arm_specs(s).items():
         p = argparse.ArgumentParser()
@@ -33,11 +34,12 @@ def test_arm_configs_reach_the_syncer_unchanged() -> None:
         assert config.syncer == spec.config.syncer, name
         assert config.deterministic == spec.config.deterministic, name
         assert config.schedule.overlap == spec.config.schedule.overlap, name
+        assert config.compression == spec.config.compression, name
         assert config_from_dict(json.loads(json.dumps(config_to_dict(spec.config)))) == spec.config
 
 
 def test_arms_differ_as_the_issue_asks() -> None:
-    specs = arm_specs(RunSettings(arms=("data-parallel", "diloco", "rackmend", "local")))
+    specs = arm_specs(RunSettings(arms=("data-parallel", "diloco", "rackmend", "rackmend-int4", "local")))
     dp, diloco, rm = (specs[n].config for n in ("data-parallel", "diloco", "rackmend"))
     assert (dp.schedule.sync_every, dp.schedule.num_fragments, dp.schedule.overlap, dp.deterministic) == (1, 1, 0, True)
     assert dp.syncer.min_quorum == 4 and dp.syncer.outer_lr == 1.0 and dp.syncer.resolved_outer_kwargs() == {}
@@ -45,6 +47,9 @@ def test_arms_differ_as_the_issue_asks() -> None:
     assert diloco.syncer.resolved_outer_kwargs() == {"momentum": 0.9, "nesterov": True}
     assert (rm.schedule.num_fragments, rm.syncer.min_quorum, rm.deterministic) == (4, 1, False)
     assert specs["local"].config is None
+    int4 = specs["rackmend-int4"].config
+    assert int4.compression.uplink == "int4" and rm.compression.uplink == "none"
+    assert int4.replace(compression=rm.compression) == rm
 
 
 @pytest.mark.parametrize("changes,fragment", [

@@ -133,6 +133,8 @@ def syncer_flags(spec: ArmSpec) -> list[str]:
         elif isinstance(value, dict):
             value = json.dumps(value)
         flags += ["--" + o.name.replace("_", "-"), str(value)]
+    comp = spec.config.compression
+    flags += ["--uplink-codec", comp.uplink, "--downlink-codec", comp.downlink]
     if spec.config.deterministic:
         flags.append("--deterministic")
     return flags

@@ -34,7 +34,8 @@ REPORT_FILES = (
 """Every file ``write_report`` writes."""
 
 _UTIL_WINDOW_S = 2.0
-_COLORS = {"data-parallel": "tab:red", "diloco": "tab:orange", "rackmend": "tab:blue", "local": "tab:gray"}
+_COLORS = {"data-parallel": "tab:red", "diloco": "tab:orange", "rackmend": "tab:blue", "rackmend-int4": "tab:cyan",
+           "local": "tab:gray"}
 
 
 def loss_at_tokens(points: Sequence[tuple[int, float, float]], tokens: float) -> float | None:

@@ -11,7 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.config import (
+    CompressionConfig,
+    ConfigError,
+    LearnerConfig,
+    RackmendConfig,
+    ScheduleConfig,
+    SyncerConfig,
+)
 from rackmend.netem import LinkConfig
 from rackmend.workloads import GPTConfig
 
@@ -26,7 +33,7 @@ __all__ = [
     "config_from_dict",
 ]
 
-ARMS = ("data-parallel", "diloco", "rackmend", "local")
+ARMS = ("data-parallel", "diloco", "rackmend", "rackmend-int4", "local")
 """Every arm, in the order they run and are reported."""
 
 
@@ -253,6 +260,16 @@ def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
             config=RackmendConfig(
                 schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
                 syncer=SyncerConfig(min_quorum=1, learners=ids),
+                learner=lc),
+            checkpoint_every=s.fragments,
+        ),
+        "rackmend-int4": ArmSpec(
+            name="rackmend-int4",
+            description="the rackmend arm with outer gradients sent as int4 (block absmax, error feedback)",
+            config=RackmendConfig(
+                schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
+                syncer=SyncerConfig(min_quorum=1, learners=ids),
+                compression=CompressionConfig(uplink="int4"),
                 learner=lc),
             checkpoint_every=s.fragments,
         ),

@@ -125,7 +125,7 @@ def run(run_dir: Path, index: int) -> int:
     done: dict[str, Any] = {"event": "done", "t": time.monotonic(), "steps": step}
     if link is not None:
         done.update(bytes_sent=link.bytes_sent, bytes_received=link.bytes_received,
-                    dropped_sends=link.dropped_sends)
+                    dropped_sends=link.dropped_sends, superseded_sends=link.superseded_sends)
     if config is None:
         from safetensors.torch import save_file
 

@@ -38,6 +38,7 @@ from rackmend.core.syncer import (
 )
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
+from rackmend.transport.outbox import SHORT_HWM, Outbox
 
 __all__ = ["ServiceConfig", "SyncerService"]
 
@@ -173,6 +174,14 @@ class SyncerService:
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner rank takes its identity back
+        # A short per-peer queue that reports "full" (EAGAIN) instead of dropping: what does
+        # not fit waits in the peer's Outbox, where a newer value of a fragment replaces an
+        # unsent older one, so a slow link carries fresh values rather than a backlog.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, SHORT_HWM)
+        self._outboxes: dict[bytes, Outbox] = {}
+        self.superseded_updates = 0
+        """Updates replaced in a peer's outbox by a newer value before its link had room."""
         # ZeroMQ's own cap is twice the limit: a message just over the limit still reaches
         # the validator and gets a logged, answered rejection; a far bigger one is cut off
         # by ZeroMQ (the connection dropped) before it can use the memory.
@@ -194,7 +203,8 @@ class SyncerService:
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                timeout = 0.1
+                # No per-peer POLLOUT on a ROUTER: while something waits for room, retry soon.
+                timeout = 0.01 if any(self._outboxes.values()) else 0.1
                 deadline = self.core.next_deadline() if self.core else None
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - self.clock()))
@@ -209,6 +219,8 @@ class SyncerService:
                 self._check_silence()
                 if self.core is not None:
                     self._drive(Tick())
+                for ident in [i for i, box in self._outboxes.items() if box]:
+                    self._flush(ident)
         finally:
             self._shutdown()
 
@@ -238,6 +250,8 @@ class SyncerService:
         peer = self.peers.get(ident)
         if peer is None and self._pending is not None and any(i == ident for i, _ in self._pending.waiting):
             return  # its hello is answered once the first learner's initial values are in
+        if peer is None and msg.type == "ack":
+            return  # a receipt from a peer dropped meanwhile: its next heartbeat gets it back
         if peer is None or peer.learner_id != lid or peer.rank != rank:
             # Unknown to this syncer (it restarted, or the learner was declared silent).
             self._event("unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
@@ -255,8 +269,16 @@ class SyncerService:
         if msg.type == "fetch":
             self._fetch(ident, peer, msg)
             return
+        if msg.type == "ack":
+            box = self._outboxes.get(ident)
+            if box is not None and self.core is not None:
+                box.ack(wire.parse_ack(msg, len(self.core.fragments)))
+                self._flush(ident)
+            return
         assert msg.type == "contrib" and self.core is not None
-        self._drive(ContributionArrived(wire.parse_contribution(msg, self.core.fragments)))
+        contribution = wire.parse_contribution(msg, self.core.fragments)
+        self._send(ident, wire.ack_frames(contribution.fragment))  # received, whatever the core decides
+        self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header
@@ -285,12 +307,14 @@ class SyncerService:
             if peer.learner_id == lid and peer.rank == rank and other != ident:
                 del self.peers[other]  # the same rank came back under a new connection
         self.peers[ident] = peer = _Peer(lid, rank, world, self.clock())
+        if ident in self._outboxes:
+            self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
             if isinstance(action, LogRecord):
                 self._record(action.record)
         for upd in self.core.current:
             if peer.owns(upd.fragment):
-                self._send(ident, wire.update_frames(upd, reset=True))
+                self._send_update(ident, upd, wire.update_frames(upd, reset=True), reset=True)
 
     def _fetch(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
         """A learner lost a delta update: answer with the full current value (codec 0,
@@ -341,7 +365,7 @@ class SyncerService:
                 for ident, peer in self.peers.items():
                     if peer.learner_id in action.to and peer.owns(action.update.fragment):
                         frames = frames or wire.update_frames(action.update)
-                        self._send(ident, frames)
+                        self._send_update(ident, action.update, frames)
             elif isinstance(action, LogRecord):
                 self._record(action.record)
                 if action.record["event"] == "reject":
@@ -373,10 +397,35 @@ class SyncerService:
                     self._drive(LearnerLeft(peer.learner_id, "silent"))
 
     def _send(self, ident: bytes, frames: list[Any]) -> None:
+        """A control message (error, bye, init_request): queued in order, never replaced."""
+        self._outboxes.setdefault(ident, Outbox()).add_control(frames)
+        self._flush(ident)
+
+    def _send_update(self, ident: bytes, upd: Any, frames: list[Any], reset: bool = False) -> None:
+        """A fragment's new value; replaces one of the same fragment still waiting. The
+        replacement goes as a full value (a delta would skip the one never sent), and
+        keeps the reset flag of a join answer it replaces."""
+        box = self._outboxes.setdefault(ident, Outbox())
+        waiting = box.tag(upd.fragment)
+        if waiting is not None:
+            reset = reset or waiting == "reset"
+            frames = wire.update_frames(upd, reset=reset, full=True)
+            self.superseded_updates += 1
+        box.add_latest(upd.fragment, frames, "reset" if reset else "")
+        self._flush(ident)
+
+    def _flush(self, ident: bytes) -> None:
+        box = self._outboxes.get(ident)
+        if box is None:
+            return
         try:
-            self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._event("send_dropped", peer=ident.hex(), reason="peer queue full")
+            done = box.flush(lambda frames: self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK))
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; its messages have nowhere to go
+            self._event("send_dropped", peer=ident.hex(), reason=exc.strerror)
+            del self._outboxes[ident]
+            return
+        if done and box.idle and ident not in self.peers:
+            del self._outboxes[ident]
 
     # ------------------------------------------------------------------ state
     def checkpoint(self) -> Path | None:

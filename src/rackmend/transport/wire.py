@@ -35,6 +35,8 @@ __all__ = [
     "contribution_frames",
     "update_frames",
     "init_frames",
+    "ack_frames",
+    "parse_ack",
     "fetch_frames",
     "parse_contribution",
     "parse_tensors",
@@ -43,15 +45,17 @@ __all__ = [
     "layout_from_wire",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2 added acknowledgements (``ack``), which senders wait for before the next data
+message of a fragment: a version-1 peer would never send them, so the versions do not mix."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
 """A header larger than this is refused before it is parsed (a layout of ~10k tensors fits)."""
 
 _LEARNER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch")
-SYNCER_TYPES = ("update", "init_request", "error", "bye")
+LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
+SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
 
 
 class WireError(ValueError):
@@ -123,6 +127,22 @@ def update_frames(u: Update, reset: bool = False, *, full: bool = False) -> list
                    "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
 
 
+def ack_frames(fragment: int, learner_id: str | None = None, rank: int = 0) -> list[Any]:
+    """Receipt of a fragment's data message (a learner's ack names itself)."""
+    header: dict[str, Any] = {"type": "ack", "fragment": fragment}
+    if learner_id is not None:
+        header.update(learner=learner_id, rank=rank)
+    return encode(header)
+
+
+def parse_ack(msg: Message, fragments: int) -> int:
+    """The fragment an ``ack`` confirms, checked against the layout's size."""
+    p = _field(msg.header, "fragment", int, minimum=0)
+    if p >= fragments:
+        raise WireError(f"ack for unknown fragment {p} (the layout has {fragments})")
+    return p
+
+
 def fetch_frames(learner_id: str, rank: int, fragment: int) -> list[Any]:
     """Ask for the current full-precision value of ``fragment`` (after a lost delta)."""
     return encode({"type": "fetch", "learner": learner_id, "rank": rank, "fragment": fragment})
@@ -169,7 +189,7 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
     kind = header.get("type")
     if kind not in allowed:
         raise WireError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(allowed)}")
-    if "learner" in header or kind in LEARNER_TYPES:
+    if "learner" in header or tuple(allowed) == LEARNER_TYPES:  # every learner message names its sender
         lid = _field(header, "learner", str)
         if not _LEARNER_ID.match(lid):
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")

@@ -33,6 +33,7 @@ from rackmend.core.fragments import FragmentSpec, fingerprint, layout_to_wire
 from rackmend.core.messages import Contribution, Update
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
+from rackmend.transport.outbox import SHORT_HWM, Outbox
 
 __all__ = ["ZmqLink", "CurveClientKeys"]
 
@@ -104,7 +105,8 @@ class ZmqLink(QueueLink):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dropped_sends = 0
-        """Messages not sent because the syncer was unreachable at that moment."""
+        """Heartbeats not sent because the syncer was unreachable at that moment."""
+        self._outbox = Outbox()
         self.fetches_sent = 0
         """``fetch`` requests sent after a lost delta update (retries included)."""
         self._global: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
@@ -150,7 +152,13 @@ class ZmqLink(QueueLink):
 
     def send(self, contribution: Contribution) -> None:
         frames = wire.contribution_frames(contribution, self.rank)
-        self._pipe_out.send_multipart(frames, copy=False)
+        self._pipe_out.send_multipart([b"C", str(contribution.fragment).encode(), *frames], copy=False)
+
+    @property
+    def superseded_sends(self) -> int:
+        """Contributions replaced by a newer one of the same fragment before the link had
+        room for them (the newer one carries the same work: counters are cumulative)."""
+        return self._outbox.superseded
 
     def leave(self) -> None:
         if self._thread is None:
@@ -160,8 +168,8 @@ class ZmqLink(QueueLink):
             # with unread updates in its receive buffer is reset, not flushed), and then
             # rounds would wait for this learner until its heartbeat timeout.
             self._leaving = True
-            self._pipe_out.send_multipart(wire.encode({"type": "leave", "learner": self.learner_id,
-                                                       "rank": self.rank}))
+            self._pipe_out.send_multipart([b"M", *wire.encode({"type": "leave", "learner": self.learner_id,
+                                                                "rank": self.rank})])
             self._bye.wait(self.leave_timeout_s)
             self._pipe_out.send_multipart([b"STOP"])
             self._thread.join(5.0)
@@ -176,6 +184,7 @@ class ZmqLink(QueueLink):
         pipe = self._ctx.socket(zmq.PAIR)
         try:
             dealer.setsockopt(zmq.LINGER, 2000)
+            dealer.setsockopt(zmq.SNDHWM, SHORT_HWM)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             if self._curve is not None:
                 dealer.curve_publickey = self._curve.public
@@ -190,16 +199,24 @@ class ZmqLink(QueueLink):
             next_beat = time.monotonic() + self.heartbeat_s
             beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
             while True:
+                poller.modify(dealer, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
                 ready = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
-                if pipe in ready:
-                    frames = pipe.recv_multipart(copy=False)
-                    if frames[0].bytes == b"STOP":
+                if ready.get(pipe, 0) & zmq.POLLIN:
+                    msg = pipe.recv_multipart(copy=False)
+                    kind = msg[0].bytes
+                    if kind == b"STOP":
+                        self._flush(dealer)
                         return
-                    self._send(dealer, frames)
-                if dealer in ready:
+                    if kind == b"C":
+                        self._outbox.add_latest(int(msg[1].bytes), msg[2:])
+                    else:
+                        self._outbox.add_control(msg[1:])
+                if ready.get(dealer, 0) & zmq.POLLIN:
                     self._receive(dealer, dealer.recv_multipart(copy=False))
+                self._flush(dealer)
                 if time.monotonic() >= next_beat:
-                    self._send(dealer, beat)
+                    if not self._outbox:  # anything queued tells the syncer we are alive anyway
+                        self._send_now(dealer, beat)
                     next_beat = time.monotonic() + self.heartbeat_s
                 for p, sent in list(self._fetching.items()):
                     if time.monotonic() - sent >= FETCH_RETRY_S:
@@ -213,18 +230,29 @@ class ZmqLink(QueueLink):
 
     def _send_hello(self, dealer: zmq.Socket) -> None:
         self._hello_at = time.monotonic()
+        self._outbox.forget_inflight()  # a syncer that asks for hello has none of it
         self._send(dealer, self._hello)
 
-    def _send(self, dealer: zmq.Socket, frames: Sequence[Any]) -> None:
-        # Never block: while the syncer is unreachable ZeroMQ may have no pipe to queue
-        # on, and a blocked I/O thread would stall training. A dropped contribution loses
-        # nothing: counters are cumulative, so the next send of the fragment carries it.
+    def _send(self, dealer: zmq.Socket, frames: list[Any]) -> None:
+        """Queue a control message (sent in order, never dropped) and send what fits."""
+        self._outbox.add_control(frames)
+        self._flush(dealer)
+
+    def _flush(self, dealer: zmq.Socket) -> None:
+        # Never block: while the syncer is unreachable or the link is full, messages wait
+        # in the outbox, where a newer contribution of a fragment replaces an older one.
+        def send(frames: list[Any]) -> None:
+            dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            self.bytes_sent += sum(len(f) if isinstance(f, (bytes, memoryview)) else len(f.buffer) for f in frames)
+
+        self._outbox.flush(send)
+
+    def _send_now(self, dealer: zmq.Socket, frames: list[Any]) -> None:
+        """Send at once or not at all (heartbeats: a late one is worthless)."""
         try:
             dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped_sends += 1
-            return
-        self.bytes_sent += sum(len(f) if isinstance(f, (bytes, memoryview)) else len(f.buffer) for f in frames)
 
     def _receive(self, dealer: zmq.Socket, frames: list[zmq.Frame]) -> None:
         self.bytes_received += sum(len(f.buffer) for f in frames)
@@ -237,12 +265,15 @@ class ZmqLink(QueueLink):
                 version = msg.header.get("version")
                 if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                     raise wire.WireError(f"update has a bad version {version!r}")
+                self._send(dealer, wire.ack_frames(p, self.learner_id, self.rank))
                 self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
                 for p, values in enumerate(self._initial):
                     self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
             elif msg.type == "bye":
                 self._bye.set()
+            elif msg.type == "ack":
+                self._outbox.ack(wire.parse_ack(msg, len(self._fragments)))
             elif msg.type == "error":
                 code, reason = msg.header.get("code"), str(msg.header.get("reason", ""))[:500]
                 if code == "rejoin" and self._leaving:

@@ -1,0 +1,97 @@
+"""What waits to be sent on one connection when the link is slower than its sender.
+
+A fragment's value (or outer gradient) is only worth sending in its newest form: an
+older one still queued when a newer one is made would arrive stale and use the link
+twice. So instead of letting ZeroMQ queue every message (its default high-water mark
+is a thousand messages: a growing backlog on a slow link, every contribution later
+than the one before), both ends keep ZeroMQ's queue short and hold back here:
+
+- control messages (hello, init, fetch, leave, errors, bye), all of them, in order;
+- at most one data message per key (a fragment), the newest replacing an unsent older one;
+- at most one data message per key *in flight*: the next one for that key leaves only
+  once the receiver has acknowledged the last (or ``ack_timeout`` passed). Kernel socket
+  buffers hold megabytes, seconds of a slow link, so a short ZeroMQ queue alone does not
+  keep a backlog away; counting what the receiver has not yet confirmed does, whatever
+  the buffers, and costs no throughput on a fast link (other fragments go meanwhile).
+
+Control messages go first. Sockets are not touched here: ``flush`` calls the
+``send`` function it is given until that raises ``zmq.Again`` (no room yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Hashable
+
+import zmq
+
+__all__ = ["Outbox"]
+
+SHORT_HWM = 2
+"""ZeroMQ send high-water mark (messages) used with an Outbox: room for one message
+being written to the kernel and one behind it; everything else waits here."""
+
+
+class Outbox:
+    """Pending messages of one peer; see the module docstring."""
+
+    def __init__(self, ack_timeout: float = 15.0) -> None:
+        self.ack_timeout = ack_timeout
+        """Seconds after which an unacknowledged data message counts as lost."""
+        self._control: deque[list[Any]] = deque()
+        self._latest: dict[Hashable, tuple[str, list[Any]]] = {}
+        self._inflight: dict[Hashable, float] = {}
+        self.superseded = 0
+        """Data messages replaced by a newer one before they could be sent."""
+
+    def __bool__(self) -> bool:
+        """Whether messages wait to be sent (in-flight ones do not count)."""
+        return bool(self._control or self._latest)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to send and nothing awaiting an acknowledgement."""
+        return not self and not self._inflight
+
+    def ack(self, key: Hashable) -> None:
+        """The receiver has the last data message sent for ``key``."""
+        self._inflight.pop(key, None)
+
+    def forget_inflight(self) -> None:
+        """The connection was replaced (rejoin): nothing sent before will be acknowledged."""
+        self._inflight.clear()
+
+    def add_control(self, frames: list[Any]) -> None:
+        self._control.append(frames)
+
+    def tag(self, key: Hashable) -> str | None:
+        """The tag of the unsent data message held for ``key``, or None."""
+        entry = self._latest.get(key)
+        return None if entry is None else entry[0]
+
+    def add_latest(self, key: Hashable, frames: list[Any], tag: str = "") -> bool:
+        """Hold ``frames`` as the message for ``key``; True when it replaced an unsent one
+        (which keeps its place in the sending order, so no key starves)."""
+        replaced = key in self._latest
+        self._latest[key] = (tag, frames)
+        self.superseded += replaced
+        return replaced
+
+    def flush(self, send: Callable[[list[Any]], None], now: float | None = None) -> bool:
+        """Send what fits; True when nothing is left to send. ``send`` raises
+        ``zmq.Again`` when the connection has no room; any other error propagates."""
+        now = time.monotonic() if now is None else now
+        for key in [k for k, t in self._inflight.items() if now - t > self.ack_timeout]:
+            del self._inflight[key]
+        try:
+            while self._control:
+                send(self._control[0])
+                self._control.popleft()
+            for key in [k for k in self._latest if k not in self._inflight]:
+                send(self._latest[key][1])
+                del self._latest[key]
+                self._inflight[key] = now
+        except zmq.Again:
+            return False
+        return not self._control and not self._latest

@@ -1,0 +1,97 @@
+"""A learner whose link is far slower than what it and the syncer produce: queued
+values are coalesced (newest per fragment) at both ends instead of piling up, so what
+crosses the link stays fresh enough to be merged for the whole run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.core.syncer import ContributionArrived
+from rackmend.netem.link import LinkConfig, LinkEmulator
+from rackmend.service import ServiceConfig, SyncerService
+from rackmend.transport.zmq_link import ZmqLink
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RUN_S = 8.0
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))  # 2 x 257 kB fragments
+
+
+def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=8, num_fragments=2, overlap=1),
+                            syncer=SyncerConfig(min_quorum=1, learners=("fast", "slow"), grace_max=0.05,
+                                                max_staleness=16))
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
+    records: list[dict] = []
+    record, drive = svc._record, svc._drive
+    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    arrivals: list[tuple[float, str, int]] = []  # (time, learner, versions behind when it arrived)
+
+    def watch(event: object) -> None:
+        if isinstance(event, ContributionArrived) and svc.core is not None:
+            c = event.contribution
+            arrivals.append((svc.clock(), c.learner_id, svc.core.versions[c.fragment] - c.base_version))
+        drive(event)
+
+    svc._drive = watch  # type: ignore[method-assign]
+    server = threading.Thread(target=svc.serve, daemon=True)
+    server.start()
+    port = int(svc.endpoint.rsplit(":", 1)[1])
+    # 4 Mbit/s: one fragment takes ~0.5 s, while each learner makes one every ~0.15 s.
+    slow = LinkEmulator(("127.0.0.1", port), LinkConfig(bandwidth_bps=4e6, latency_s=0.02),
+                        name="slow", max_buffer_bytes=256 * 1024).start()
+    links = {"fast": ZmqLink(svc.endpoint, heartbeat_s=0.2), "slow": ZmqLink(slow.address, heartbeat_s=0.2)}
+    t_start = time.monotonic()
+    errors: list[BaseException] = []
+
+    def learner(lid: str) -> None:
+        try:
+            model = _model()
+            opt = RackmendOptimizer(model, torch.optim.SGD(model.parameters(), lr=1e-3), config, links[lid],
+                                    learner_id=lid)
+            g = torch.Generator().manual_seed(hash(lid) % 1000)
+            t = 0
+            while time.monotonic() - t_start < RUN_S and t < 100000:
+                t += 1
+                x = torch.randn(8, 256, generator=g)
+                loss = (model(x) - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step(tokens=8)
+                time.sleep(0.03)
+            opt.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(lid,)) for lid in links]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    svc.stop()
+    server.join(20)
+    slow.close()
+    assert not errors, errors
+    t0 = records[0]["t"]
+    merges = [r for r in records if r["event"] == "merge"]
+    assert len(merges) > 30, "the fast learner should drive many merges"
+    # Both ends coalesced: the slow link could never carry everything that was made.
+    assert links["slow"].superseded_sends > 0 and svc.superseded_updates > 0
+    # So what reaches the syncer from the slow learner is about as stale late in the run
+    # as early on, instead of ever staler behind a growing backlog.
+    slow_arrivals = [(t - t0, lag) for t, lid, lag in arrivals if lid == "slow"]
+    middle = [lag for t, lag in slow_arrivals if 0.3 * RUN_S <= t < 0.6 * RUN_S]
+    last = [lag for t, lag in slow_arrivals if 0.6 * RUN_S <= t <= RUN_S]
+    assert middle and last, slow_arrivals
+    assert max(last) <= max(middle) + 6, f"staleness grew: {slow_arrivals}"
+    assert any("slow" in m["merged"] and m["t"] - t0 > 0.6 * RUN_S for m in merges), ("slow stopped being merged", slow_arrivals, [r["reason"] for r in records if r["event"] == "reject"][-5:])
