@@ -1,17 +1,19 @@
 """Paired comparison of the arms over seeds and emulated links: what rackmend buys.
 
-Runbook: ``python benchmarks/paired.py`` (about 25 minutes on 2 cores) or
-``--quick`` (2 seeds, fewer steps, about 10 minutes). For every link setting and seed,
+Runbook: ``python benchmarks/paired.py`` (3 seeds, 64 steps, 3 links: about 30 minutes
+on 2 cores) or ``--quick`` (2 seeds, 48 steps, 2 links: about 10 minutes). For every link setting and seed,
 each arm trains the same model on the same data for the same number of steps per
 learner (so held-out loss compares at equal tokens), with no faults, M=4 learner
 processes, each behind its own emulated link, against a real syncer process. Per arm
 and link setting: compute utilization (time in inner steps / wall, per learner), tokens/s,
-held-out loss at equal tokens, WAN bytes per token, blocked time, median step time;
+held-out loss of the final global model (equal tokens), WAN bytes per token (all of it,
+and "steady": without the one-off join traffic of one model up and one per learner
+down, which dominates a run this short), blocked time, median step and compute time;
 medians over seeds with bootstrap 95 % confidence intervals. The ``local`` arm (no
 rackmend, no link) is the step-time baseline: with no added latency, rackmend's step
 time is compared with it, seed by seed.
 
-Last line: ``RESULT ...`` with the headline ratios at the first lossy link setting.
+Last line: ``RESULT ...`` with the headline ratios at the first link setting.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from _common import finish, parser
 from rackmend.demo.orchestrate import ArmRun, run_arm
 from rackmend.demo.report import loss_at_tokens
 from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings, arm_specs
-from rackmend.workloads import GPTConfig
+from rackmend.workloads import GPT, GPTConfig
 
 ARMS = ("local", "data-parallel", "diloco", "rackmend", "rackmend-int4")
 # (name, link): the issue's WAN first, then a link with no added latency for the step-time check.
@@ -48,8 +50,11 @@ def bootstrap_ci(samples: Sequence[float], n: int = 2000, seed: int = 0) -> tupl
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-def measure(run: ArmRun, common_tokens: int) -> dict[str, float]:
+def measure(run: ArmRun, common_tokens: int, model_bytes: int) -> dict[str, float]:
     healthy = run.learners
+    # Joining costs a fixed amount (the first learner uploads the model once, each
+    # learner downloads it once); what a longer run pays per token is the rest.
+    one_off = model_bytes * (1 + len(run.learners)) if run.links else 0
     step_times = [t for ls in healthy for t in ls.step_times]
     loss = None if run.name == "local" else loss_at_tokens(run.points, common_tokens)
     return {
@@ -58,6 +63,9 @@ def measure(run: ArmRun, common_tokens: int) -> dict[str, float]:
         "tokens_per_s": run.tokens / run.wall_s,
         "loss_at_equal_tokens": float("nan") if loss is None else loss,
         "wan_bytes_per_token": run.wan_bytes / run.tokens if run.tokens else float("nan"),
+        "steady_wan_bytes_per_token": (run.wan_bytes - one_off) / run.tokens if run.tokens else float("nan"),
+        "uplink_bytes_per_token": ((sum(link["bytes_up"] for link in run.links.values()) - model_bytes * bool(one_off))
+                                   / run.tokens if run.tokens else float("nan")),
         "blocked_s_per_learner": statistics.mean(ls.blocked_s for ls in healthy),
         "step_s_median": statistics.median(step_times),
         "compute_s_median": statistics.median(c for ls in healthy for c in _computes(run, ls.learner)),
@@ -97,8 +105,9 @@ def main() -> None:
                     print(f"[{time.monotonic() - t_start:6.0f}s] {link_name} seed {seed}: {name} ...", flush=True)
                     runs[name] = run_arm(spec, s, Path(tmp) / f"{link_name}-{seed}-{name}")
                 tokens = min(r.points[-1][0] for n, r in runs.items() if n != "local")
+                model_bytes = sum(p.numel() * p.element_size() for p in GPT(s.model).parameters())
                 for name, run in runs.items():
-                    cells[link_name][name].append(measure(run, tokens))
+                    cells[link_name][name].append(measure(run, tokens, model_bytes))
     table, rows = summarise(cells)
     print(table)
     first = chosen[0][0]
@@ -109,18 +118,22 @@ def main() -> None:
         "util_dp": head["data-parallel"]["utilization"]["median"],
         "loss_ratio_rackmend_dp": head["rackmend"]["loss_at_equal_tokens"]["median"]
         / head["data-parallel"]["loss_at_equal_tokens"]["median"],
-        "bytes_ratio_dp_rackmend": head["data-parallel"]["wan_bytes_per_token"]["median"]
-        / head["rackmend"]["wan_bytes_per_token"]["median"],
+        "bytes_ratio_dp_rackmend": head["data-parallel"]["steady_wan_bytes_per_token"]["median"]
+        / head["rackmend"]["steady_wan_bytes_per_token"]["median"],
     }
     if "rackmend-int4" in head:
-        result["bytes_ratio_rackmend_int4"] = (head["rackmend"]["wan_bytes_per_token"]["median"]
-                                               / head["rackmend-int4"]["wan_bytes_per_token"]["median"])
+        result["bytes_ratio_rackmend_int4"] = (head["rackmend"]["steady_wan_bytes_per_token"]["median"]
+                                               / head["rackmend-int4"]["steady_wan_bytes_per_token"]["median"])
+        result["uplink_ratio_rackmend_int4"] = (head["rackmend"]["uplink_bytes_per_token"]["median"]
+                                                / head["rackmend-int4"]["uplink_bytes_per_token"]["median"])
         result["loss_ratio_int4_fp32"] = (head["rackmend-int4"]["loss_at_equal_tokens"]["median"]
                                           / head["rackmend"]["loss_at_equal_tokens"]["median"])
     if "lan-0ms" in rows:
-        ratios = [r["step_s_median"] / l["step_s_median"]
-                  for r, l in zip(cells["lan-0ms"]["rackmend"], cells["lan-0ms"]["local"])]
-        result["step_ratio_rackmend_local_lan"] = statistics.median(ratios)
+        pairs = list(zip(cells["lan-0ms"]["rackmend"], cells["lan-0ms"]["local"]))
+        result["step_ratio_rackmend_local_lan"] = statistics.median(r["step_s_median"] / l["step_s_median"]
+                                                                    for r, l in pairs)
+        result["compute_ratio_rackmend_local_lan"] = statistics.median(
+            r["compute_s_median"] / l["compute_s_median"] for r, l in pairs)
     finish("paired", args.out, {"seeds": seeds, "steps": steps, "arms": ARMS,
                                 "links": {n: vars(link) for n, link in chosen}, "cells": cells, "summary": rows},
            result)
@@ -128,7 +141,7 @@ def main() -> None:
 
 def summarise(cells: dict[str, dict[str, list[dict[str, float]]]]) -> tuple[str, dict[str, Any]]:
     metrics = ("utilization", "tokens_per_s", "loss_at_equal_tokens", "wan_bytes_per_token",
-               "blocked_s_per_learner", "step_s_median")
+               "steady_wan_bytes_per_token", "uplink_bytes_per_token", "blocked_s_per_learner", "step_s_median", "compute_s_median")
     rows: dict[str, Any] = {}
     lines = []
     head = f"{'link':<18} {'arm':<14}" + "".join(f" {m:>26}" for m in metrics)

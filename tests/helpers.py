@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
+from rackmend.service import ServiceConfig, SyncerService
 from rackmend.core.fragments import pack_fragments
 
 VOCAB = 17
@@ -115,3 +116,15 @@ def run_inprocess(
         raise errors[0]
     assert not alive, f"learner threads still running after {timeout}s: {alive}"
     return models, hub
+
+
+def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[dict], threading.Thread]:
+    """A syncer service on 127.0.0.1 (any free port) serving on a daemon thread, and the
+    list its events are also appended to. Stop it with ``svc.stop(); thread.join(20)``."""
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service))  # type: ignore[arg-type]
+    records: list[dict] = []
+    record = svc._record
+    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    return svc, records, thread

@@ -48,7 +48,8 @@ def test_arms_differ_as_the_issue_asks() -> None:
     assert (rm.schedule.num_fragments, rm.syncer.min_quorum, rm.deterministic) == (4, 1, False)
     assert specs["local"].config is None
     int4 = specs["rackmend-int4"].config
-    assert int4.compression.uplink == "int4" and rm.compression.uplink == "none"
+    assert (int4.compression.uplink, int4.compression.downlink) == ("int4", "int4")
+    assert (rm.compression.uplink, rm.compression.downlink) == ("none", "none")
     assert int4.replace(compression=rm.compression) == rm
 
 

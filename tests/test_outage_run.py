@@ -13,10 +13,9 @@ import pytest
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.netem.link import LinkConfig, LinkEmulator, Outage
-from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model
+from helpers import batch, make_inner, make_model, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,12 +26,7 @@ STALL_START, STALL_S = 1.5, 2.5
 def test_two_learners_survive_a_link_outage() -> None:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
                             syncer=SyncerConfig(min_quorum=1, learners=("l0", "l1"), grace_max=0.1))
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=1.0))
-    records: list[dict] = []
-    record = svc._record
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
-    server = threading.Thread(target=svc.serve, daemon=True)
-    server.start()
+    svc, records, server = serving(config, heartbeat_timeout=1.0)
     port = int(svc.endpoint.rsplit(":", 1)[1])
     links = {
         "l0": LinkEmulator(("127.0.0.1", port), LinkConfig(latency_s=0.01, bandwidth_bps=50e6), name="l0"),
@@ -101,12 +95,7 @@ def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> Non
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=1, overlap=0),
                             syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1")),
                             learner=LearnerConfig(wait_timeout=15.0), deterministic=True)
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=1.0))
-    records: list[dict] = []
-    record = svc._record
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
-    server = threading.Thread(target=svc.serve, daemon=True)
-    server.start()
+    svc, records, server = serving(config, heartbeat_timeout=1.0)
     port = int(svc.endpoint.rsplit(":", 1)[1])
     stall = LinkEmulator(("127.0.0.1", port), LinkConfig(latency_s=0.005, outages=(
         Outage(start=STALL_START, duration=STALL_S, mode="blackhole"),)), name="wan").start()

@@ -14,8 +14,9 @@ from torch import nn
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.core.syncer import ContributionArrived
 from rackmend.netem.link import LinkConfig, LinkEmulator
-from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport.zmq_link import ZmqLink
+
+from helpers import serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,10 +32,8 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=8, num_fragments=2, overlap=1),
                             syncer=SyncerConfig(min_quorum=1, learners=("fast", "slow"), grace_max=0.05,
                                                 max_staleness=16))
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
-    records: list[dict] = []
-    record, drive = svc._record, svc._drive
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    svc, records, server = serving(config, heartbeat_timeout=30)
+    drive = svc._drive
     arrivals: list[tuple[float, str, int]] = []  # (time, learner, versions behind when it arrived)
 
     def watch(event: object) -> None:
@@ -44,8 +43,6 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
         drive(event)
 
     svc._drive = watch  # type: ignore[method-assign]
-    server = threading.Thread(target=svc.serve, daemon=True)
-    server.start()
     port = int(svc.endpoint.rsplit(":", 1)[1])
     # 4 Mbit/s: one fragment takes ~0.5 s, while each learner makes one every ~0.15 s.
     slow = LinkEmulator(("127.0.0.1", port), LinkConfig(bandwidth_bps=4e6, latency_s=0.02),

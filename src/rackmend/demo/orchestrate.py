@@ -315,7 +315,8 @@ def run_arm(spec: ArmSpec, s: RunSettings, run_dir: Path, progress: Progress | N
         wall = max([r["t"] for recs in arm.records.values() for r in recs[-1:]] + [t0]) - t0
         _stop(arm.syncer, signal.SIGTERM, 30)  # writes the final checkpoint
         arm.poll()
-        arm.snapshot()
+        if spec.config is not None:
+            arm.snapshot()
         links = {link.name: link.stats() for link in arm.links}
     finally:
         arm.kill_all()
@@ -328,7 +329,7 @@ def _drive(arm: _Arm, t0: float, stop_at: float | None, progress: Progress | Non
     faulted = s.duration_s is not None
     kill_at = t0 + f.kill_at * D if faulted and f.kill_learner is not None else None
     restart_at = t0 + f.restart_at * D if kill_at is not None else None
-    eval_every = (D / (s.evals + 1)) if s.duration_s else 5.0
+    eval_every = (D / (s.evals + 1)) if s.duration_s else 1.0
     next_eval = t0 + eval_every
     hard_end = (stop_at + _FINISH_GRACE_S) if stop_at is not None else t0 + _STEPS_TIMEOUT_S
     slow_logged = False
@@ -460,11 +461,12 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
             points.append((tokens_at(float("inf")), times[-1] if times else 0.0, evaluate(model, batches)))
         return points
     seen: set[tuple[int, ...]] = set()
-    for snap in arm.snapshots:
+    for k, snap in enumerate(arm.snapshots):
+        final = k == len(arm.snapshots) - 1  # taken after the syncer stopped: the end of the run
         with safe_open(str(snap), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["rackmend"])
             versions = tuple(meta["versions"])
-            if versions in seen or versions not in written:
+            if not final and (versions in seen or versions not in written):
                 continue
             seen.add(versions)
             state = {}
@@ -472,7 +474,9 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
                 for i, entry in enumerate(frag["tensors"]):
                     state[entry[0]] = fh.get_tensor(f"theta/{p}/{i}")
         model.load_state_dict(state, strict=True)
-        t = written[versions]
+        # The final global model is what all the training produced: it stands at every
+        # token trained (equal-step arms then compare at exactly equal tokens).
+        t = times[-1] if final and times else written.get(versions, 0.0)
         points.append((tokens_at(t), t, evaluate(model, batches)))
     for snap in arm.snapshots:
         snap.unlink(missing_ok=True)

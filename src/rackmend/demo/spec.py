@@ -265,11 +265,12 @@ def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
         ),
         "rackmend-int4": ArmSpec(
             name="rackmend-int4",
-            description="the rackmend arm with outer gradients sent as int4 (block absmax, error feedback)",
+            description="the rackmend arm with both directions compressed to int4 (block absmax, error "
+                        "feedback on each learner and on the syncer)",
             config=RackmendConfig(
                 schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
                 syncer=SyncerConfig(min_quorum=1, learners=ids),
-                compression=CompressionConfig(uplink="int4"),
+                compression=CompressionConfig(uplink="int4", downlink="int4"),
                 learner=lc),
             checkpoint_every=s.fragments,
         ),
