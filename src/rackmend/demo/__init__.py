@@ -121,7 +121,12 @@ def main(a: argparse.Namespace) -> int:
             total = s.duration_s or float(s.max_steps or 0)
             with tqdm(total=round(total), desc=f"{name:<13}", unit="s" if s.duration_s else "step",
                       dynamic_ncols=True) as bar:
+                started: list[bool] = []
+
                 def progress(elapsed: float, st: dict) -> None:
+                    if not started:
+                        bar.reset(bar.total)  # the arm's clock starts once every learner joined
+                        started.append(True)
                     bar.n = min(round(elapsed if s.duration_s else st["steps"] / s.learners), bar.total)
                     bar.set_postfix_str(f"steps={st['steps']} loss={st['loss']:.3f}"
                                         + (f" merged=[{st['merged']}]" if "merged" in st else ""), refresh=True)

@@ -254,7 +254,7 @@ def _fault_notes(r: ArmRun) -> list[str]:
         text = f"{who} SIGKILLed at {kill['t']:.0f} s"
         if restart:
             text += f", restarted at {restart['t']:.0f} s"
-        text += f"; {len(during)} merges went on without it meanwhile"
+        text += f"; {len(during)} merge{'' if len(during) == 1 else 's'} went on without it meanwhile"
         text += f"; merged again at {back['t']:.0f} s." if back else "; it did not merge again before the end."
         notes.append(text)
     for e in r.events:
@@ -269,7 +269,8 @@ def _fault_notes(r: ArmRun) -> list[str]:
         rate_in = _steps_in(r, others, lo, hi) / max(hi - lo, 1e-9)
         rate_out = _steps_in(r, others, 0.0, lo) / max(lo, 1e-9)
         notes.append(f"{who} fail-slow ×{e['factor']:g} from {lo:.0f} s to {hi:.0f} s: "
-                     f"{len(window)} merges in that window, {without} without it or with it late; "
+                     f"{len(window)} merge{'' if len(window) == 1 else 's'} in that window, "
+                     f"{without} without it or with it late; "
                      f"the healthy learners ran {rate_in:.2f} steps/s each (vs {rate_out:.2f} before).")
     return notes
 
