@@ -30,6 +30,10 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this package for --help; torch loads only when a demo runs
+    from rackmend.demo.spec import RunSettings
 
 __all__ = ["add_arguments", "main", "settings_from_args"]
 
@@ -82,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bandwidth / F and latency x F on that link (default %(default)s)")
 
 
-def settings_from_args(a: argparse.Namespace) -> "RunSettings":  # noqa: F821
+def settings_from_args(a: argparse.Namespace) -> RunSettings:
     from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings
 
     faults = FaultPlan.none() if a.no_faults else FaultPlan(

@@ -1,23 +1,20 @@
-"""The demo: M learners train the byte-level GPT together, rackmend next to a
-data-parallel-equivalent arm, and a table of held-out loss against tokens and time.
+"""The in-process variant of the demo: M learner threads of one process train the
+byte-level GPT, rackmend next to a data-parallel-equivalent arm, joined by the
+in-process transport (nothing crosses a network).
 
-Runbook: ``rackmend demo`` (what ``make demo`` runs) takes about two minutes on
-two CPU cores; ``rackmend demo --help`` lists the knobs. Both arms use the same
-model initialisation, data streams, inner optimizer and step count; they differ
-only in how learners synchronise:
+Used by the training test (``tests/test_training.py``) and by
+``benchmarks/anchoring.py``; ``rackmend demo`` runs the multi-process version
+(``rackmend.demo.orchestrate``). Both arms use the same model initialisation, data
+streams, inner optimizer and step count; they differ only in how learners synchronise:
 
 - ``data-parallel``: every step, blocking, all learners, plain averaging
   (H=1, P=1, tau=0, outer SGD lr=1 without momentum: Theta <- mean theta_m).
 - ``rackmend``: P fragments every H steps, tau-step overlap, quorum K=1,
   adaptive grace, tokens^2/steps weights, Nesterov outer step.
-
-In this version all learners are threads of one process, joined by the
-in-process transport; nothing crosses a network yet.
 """
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +28,7 @@ from rackmend.learner.optimizer import RackmendOptimizer
 from rackmend.transport.inprocess import InProcessSyncer
 from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
 
-__all__ = ["DemoSettings", "ArmResult", "arm_configs", "train_arm", "main"]
+__all__ = ["DemoSettings", "ArmResult", "arm_configs", "train_arm"]
 
 
 @dataclass(kw_only=True)
@@ -167,47 +164,3 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
         raise errors[0]
     points.append((s.learners * s.steps * tokens_per_step, wall, global_loss()))
     return ArmResult(name, points, wall, compute, blocked, sum(sent.values()), len(hub.merges()))
-
-
-def format_table(results: list[ArmResult]) -> str:
-    lines = [
-        f"{'arm':<14} {'tokens':>9} {'wall s':>8} {'held-out loss':>14}",
-        "-" * 48,
-    ]
-    for r in results:
-        for tokens, wall, loss in r.points:
-            lines.append(f"{r.name:<14} {tokens:>9} {wall:>8.1f} {loss:>14.4f}")
-        lines.append("")
-    lines.append(f"{'arm':<14} {'utilization':>11} {'blocked s/learner':>18} {'MB sent up':>11} {'merges':>7}")
-    for r in results:
-        mean_blocked = sum(r.blocked_s.values()) / len(r.blocked_s)
-        lines.append(f"{r.name:<14} {r.utilization:>11.2f} {mean_blocked:>18.1f} {r.bytes_up / 1e6:>11.1f} {r.merges:>7}")
-    return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DemoSettings()
-    p.add_argument("--learners", type=int, default=d.learners, help="number of learners M (default %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
-    p.add_argument("--sync-every", type=int, default=d.sync_every, help="H of the rackmend arm (default %(default)s)")
-    p.add_argument("--fragments", type=int, default=d.fragments, help="P of the rackmend arm (default %(default)s)")
-    p.add_argument("--overlap", type=int, default=d.overlap, help="tau of the rackmend arm (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed (default %(default)s)")
-
-
-def main(args: argparse.Namespace) -> int:
-    s = DemoSettings(learners=args.learners, steps=args.steps, batch_size=args.batch_size,
-                     sync_every=args.sync_every, fragments=args.fragments, overlap=args.overlap, seed=args.seed)
-    corpus = ByteCorpus()
-    params = sum(p.numel() for p in GPT(s.model).parameters())
-    print(f"rackmend demo: {s.learners} learners x {s.steps} steps, byte-level GPT with {params / 1e6:.2f} M "
-          f"parameters, corpus {len(corpus.train) / 1e3:.0f} kB train / {len(corpus.held_out) / 1e3:.0f} kB held out")
-    configs = arm_configs(s)
-    results = []
-    with tqdm(total=len(configs) * s.learners * s.steps, unit="step", dynamic_ncols=True) as bar:
-        for name, config in configs.items():
-            results.append(train_arm(name, config, s, corpus, bar))
-    print()
-    print(format_table(results))
-    return 0
