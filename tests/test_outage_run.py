@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -21,6 +22,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 OUTAGE_START, OUTAGE_S = 2.0, 2.0
 STALL_START, STALL_S = 1.5, 2.5
+
+
+def train_until(config: RackmendConfig, lid: str, endpoint: str, end: float, pause: float,
+                on_step: Callable[[], None] | None = None) -> None:
+    """One learner through ``endpoint`` until ``time.monotonic()`` reaches ``end``
+    (at most 5000 steps), pausing ``pause`` seconds per step; then a graceful leave."""
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(endpoint, heartbeat_s=0.2), learner_id=lid)
+    t = 0
+    while time.monotonic() < end and t < 5000:
+        t += 1
+        x, y, tokens = batch(lid, t)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step(tokens=tokens)
+        if on_step is not None:
+            on_step()
+        time.sleep(pause)
+    opt.close()
 
 
 def test_two_learners_survive_a_link_outage() -> None:
@@ -41,20 +62,8 @@ def test_two_learners_survive_a_link_outage() -> None:
 
     def learner(lid: str) -> None:
         try:
-            model = make_model()
-            opt = RackmendOptimizer(model, make_inner(model), config,
-                                    ZmqLink(links[lid].address, heartbeat_s=0.2), learner_id=lid)
-            t = 0
-            while time.monotonic() - t_start < OUTAGE_START + OUTAGE_S + 4.0 and t < 5000:
-                t += 1
-                x, y, tokens = batch(lid, t)
-                loss = model(x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step(tokens=tokens)
-                step_times[lid].append(time.monotonic() - t_start)
-                time.sleep(0.01)
-            opt.close()
+            train_until(config, lid, links[lid].address, t_start + OUTAGE_START + OUTAGE_S + 4.0, 0.01,
+                        lambda: step_times[lid].append(time.monotonic() - t_start))
         except BaseException as exc:
             errors.append(exc)
 
@@ -105,19 +114,7 @@ def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> Non
 
     def learner(lid: str, endpoint: str) -> None:
         try:
-            model = make_model()
-            opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(endpoint, heartbeat_s=0.2),
-                                    learner_id=lid)
-            t = 0
-            while time.monotonic() - t_start < STALL_START + STALL_S + 3.0 and t < 5000:
-                t += 1
-                x, y, tokens = batch(lid, t)
-                loss = model(x, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step(tokens=tokens)
-                time.sleep(0.02)
-            opt.close()
+            train_until(config, lid, endpoint, t_start + STALL_START + STALL_S + 3.0, 0.02)
             finished[lid] = time.monotonic() - t_start
         except BaseException as exc:
             errors.append(exc)

@@ -327,7 +327,7 @@ class SyncerService:
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.current[p]
         self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=p, version=upd.version)
-        self._send(ident, wire.update_frames(upd, full=True))
+        self._send_update(ident, upd, wire.update_frames(upd, full=True))
 
     def _init(self, ident: bytes, msg: wire.Message) -> None:
         pend = self._pending
@@ -424,7 +424,7 @@ class SyncerService:
             self._event("send_dropped", peer=ident.hex(), reason=exc.strerror)
             del self._outboxes[ident]
             return
-        if done and box.idle and ident not in self.peers:
+        if done and ident not in self.peers:  # gone: nothing it has not acknowledged matters now
             del self._outboxes[ident]
 
     # ------------------------------------------------------------------ state

@@ -49,11 +49,6 @@ class Outbox:
         """Whether messages wait to be sent (in-flight ones do not count)."""
         return bool(self._control or self._latest)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing to send and nothing awaiting an acknowledgement."""
-        return not self and not self._inflight
-
     def ack(self, key: Hashable) -> None:
         """The receiver has the last data message sent for ``key``."""
         self._inflight.pop(key, None)
