@@ -128,3 +128,25 @@ def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, l
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
     return svc, records, thread
+
+
+def run_threads(target: Callable[..., None], argsets: list[tuple], timeout: float = 60.0) -> None:
+    """Run ``target(*args)`` on one thread per argument tuple, join them all (bounded),
+    and re-raise the first exception any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(*args: object) -> None:
+        try:
+            target(*args)
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=args) for args in argsets]
+    for th in threads:
+        th.start()
+    end = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, end - time.monotonic()))
+    if errors:
+        raise errors[0]
+    assert not any(th.is_alive() for th in threads), f"threads still running after {timeout}s"

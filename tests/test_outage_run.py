@@ -6,7 +6,6 @@ the learner the syncer dropped for silence rejoins instead of deadlocking."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -16,7 +15,7 @@ from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleC
 from rackmend.netem.link import LinkConfig, LinkEmulator, Outage
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model, serving
+from helpers import batch, make_inner, make_model, run_threads, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,26 +57,18 @@ def test_two_learners_survive_a_link_outage() -> None:
         link.start()
     t_start = time.monotonic()
     step_times: dict[str, list[float]] = {"l0": [], "l1": []}
-    errors: list[BaseException] = []
 
     def learner(lid: str) -> None:
-        try:
-            train_until(config, lid, links[lid].address, t_start + OUTAGE_START + OUTAGE_S + 4.0, 0.01,
-                        lambda: step_times[lid].append(time.monotonic() - t_start))
-        except BaseException as exc:
-            errors.append(exc)
+        train_until(config, lid, links[lid].address, t_start + OUTAGE_START + OUTAGE_S + 4.0, 0.01,
+                    lambda: step_times[lid].append(time.monotonic() - t_start))
 
-    threads = [threading.Thread(target=learner, args=(lid,)) for lid in links]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    svc.stop()
-    server.join(20)
-    for link in links.values():
-        link.close()
-    assert not errors, errors
-    assert not any(th.is_alive() for th in threads)
+    try:
+        run_threads(learner, [(lid,) for lid in links])
+    finally:
+        svc.stop()
+        server.join(20)
+        for link in links.values():
+            link.close()
     # l0 kept stepping through l1's outage: no gap longer than a second in its steps.
     during = [t for t in step_times["l0"] if OUTAGE_START <= t <= OUTAGE_START + OUTAGE_S]
     assert len(during) > 20
@@ -109,25 +100,18 @@ def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> Non
     stall = LinkEmulator(("127.0.0.1", port), LinkConfig(latency_s=0.005, outages=(
         Outage(start=STALL_START, duration=STALL_S, mode="blackhole"),)), name="wan").start()
     t_start = time.monotonic()
-    errors: list[BaseException] = []
     finished: dict[str, float] = {}
 
-    def learner(lid: str, endpoint: str) -> None:
-        try:
-            train_until(config, lid, endpoint, t_start + STALL_START + STALL_S + 3.0, 0.02)
-            finished[lid] = time.monotonic() - t_start
-        except BaseException as exc:
-            errors.append(exc)
+    def learner(lid: str) -> None:
+        train_until(config, lid, stall.address, t_start + STALL_START + STALL_S + 3.0, 0.02)
+        finished[lid] = time.monotonic() - t_start
 
-    threads = [threading.Thread(target=learner, args=(lid, stall.address)) for lid in ("l0", "l1")]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    svc.stop()
-    server.join(20)
-    stall.close()
-    assert not errors, errors
+    try:
+        run_threads(learner, [("l0",), ("l1",)])
+    finally:
+        svc.stop()
+        server.join(20)
+        stall.close()
     assert set(finished) == {"l0", "l1"}
     assert max(finished.values()) < STALL_START + STALL_S + 10, f"a learner hung: {finished}"
     t_listen = records[0]["t"]

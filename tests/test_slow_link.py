@@ -4,7 +4,6 @@ crosses the link stays fresh enough to be merged for the whole run."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from rackmend.core.syncer import ContributionArrived
 from rackmend.netem.link import LinkConfig, LinkEmulator
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import serving
+from helpers import run_threads, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,36 +48,29 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
                         name="slow", max_buffer_bytes=256 * 1024).start()
     links = {"fast": ZmqLink(svc.endpoint, heartbeat_s=0.2), "slow": ZmqLink(slow.address, heartbeat_s=0.2)}
     t_start = time.monotonic()
-    errors: list[BaseException] = []
 
     def learner(lid: str) -> None:
-        try:
-            model = _model()
-            opt = RackmendOptimizer(model, torch.optim.SGD(model.parameters(), lr=1e-3), config, links[lid],
-                                    learner_id=lid)
-            g = torch.Generator().manual_seed(hash(lid) % 1000)
-            t = 0
-            while time.monotonic() - t_start < RUN_S and t < 100000:
-                t += 1
-                x = torch.randn(8, 256, generator=g)
-                loss = (model(x) - x).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step(tokens=8)
-                time.sleep(0.03)
-            opt.close()
-        except BaseException as exc:
-            errors.append(exc)
+        model = _model()
+        opt = RackmendOptimizer(model, torch.optim.SGD(model.parameters(), lr=1e-3), config, links[lid],
+                                learner_id=lid)
+        g = torch.Generator().manual_seed(hash(lid) % 1000)
+        t = 0
+        while time.monotonic() - t_start < RUN_S and t < 100000:
+            t += 1
+            x = torch.randn(8, 256, generator=g)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step(tokens=8)
+            time.sleep(0.03)
+        opt.close()
 
-    threads = [threading.Thread(target=learner, args=(lid,)) for lid in links]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    svc.stop()
-    server.join(20)
-    slow.close()
-    assert not errors, errors
+    try:
+        run_threads(learner, [(lid,) for lid in links])
+    finally:
+        svc.stop()
+        server.join(20)
+        slow.close()
     t0 = records[0]["t"]
     merges = [r for r in records if r["event"] == "merge"]
     assert len(merges) > 30, "the fast learner should drive many merges"
