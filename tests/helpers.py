@@ -12,7 +12,6 @@ from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
 from rackmend.service import ServiceConfig, SyncerService
-from rackmend.core.fragments import pack_fragments
 
 VOCAB = 17
 
@@ -87,10 +86,7 @@ def run_inprocess(
     """M learner threads + an in-process syncer, each learner stepping ``steps`` times.
     ``optimizers``, when given, receives each learner's RackmendOptimizer."""
     init = model_fn()
-    sch = config.schedule
-    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
-    named = dict(init.named_parameters())
-    hub = InProcessSyncer(config, frags, [[named[n].detach() for n in f.names] for f in frags])
+    hub = InProcessSyncer.for_model(config, init)
     models = {lid: model_fn() for lid in learner_ids}
     errors: list[BaseException] = []
 

@@ -6,6 +6,7 @@ events or timing. The weight and merge arithmetic is ``rackmend.core.merge``
 (checked on its own against the independent vectors in ``data/merge_rounds.json``);
 schedule, counters, outer gradients, the outer step and the apply rules are written
 out again here from the design, so the distributed run is checked against them.
+Floating buffers are merged by the weighted mean without an outer step.
 
 Compression, written out the same way (the codec classes only encode and decode):
 each learner keeps a residual per (fragment, tensor) and sends decode(encode(Δ + r)),
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from rackmend.config import RackmendConfig
-from rackmend.core.fragments import pack_fragments
+from rackmend.core.fragments import model_tensors, pack_fragments
 from rackmend.core.merge import contribution_weight, merge_deltas
 
 BatchFn = Callable[[str, int], tuple[torch.Tensor, torch.Tensor, int]]
@@ -60,8 +61,8 @@ def reference_run(
     """Returns each learner's final model and the global value of every fragment."""
     sch, sc, lc = config.schedule, config.syncer, config.learner
     init = make_model()
-    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
-    params = lambda m, f: [dict(m.named_parameters())[n] for n in f.names]  # noqa: E731
+    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing, buffers=sch.sync_buffers)
+    params = lambda m, f: [{n: t for n, t, _ in model_tensors(m)}[n] for n in f.names]  # noqa: E731
     theta = [[p.detach().clone() for p in params(init, f)] for f in frags]
     outer = [getattr(torch.optim, sc.outer_optimizer)(t, lr=sc.outer_lr, **sc.resolved_outer_kwargs()) for t in theta]
     up, down = config.compression.build_uplink(), config.compression.build_downlink()
@@ -80,13 +81,17 @@ def reference_run(
         order = sorted(learners)
         sent = [learners[i].sent[p] for i in order]
         weights = [contribution_weight(sc.weighting, s[4], s[3]) for s in sent]
-        merged = merge_deltas([s[2] for s in sent], weights, sc.merge, [s.is_embedding for s in f.tensors])
+        merged = merge_deltas([s[2] for s in sent], weights, sc.merge,
+                              [s.is_embedding or s.is_buffer for s in f.tensors])
         old = [th.detach().clone() for th in theta[p]]
-        for th, g in zip(theta[p], merged):
-            th.grad = g
+        for th, g, s in zip(theta[p], merged, f.tensors):
+            th.grad = None if s.is_buffer else g
         outer[p].step()
-        for th in theta[p]:
-            th.grad = None
+        with torch.no_grad():
+            for th, g, s in zip(theta[p], merged, f.tensors):
+                th.grad = None
+                if s.is_buffer:  # buffers: the weighted mean of the learners' values, no outer step
+                    th.sub_(g)
         if not down.lossless:
             with torch.no_grad():
                 for i, (th, o) in enumerate(zip(theta[p], old)):

@@ -20,7 +20,7 @@ from rackmend.config import (
 )
 from rackmend.core import FragmentSpec, SyncerCore, pack_fragments
 from rackmend.learner import RackmendOptimizer
-from rackmend.transport import InProcessSyncer
+from rackmend.transport import InProcessSyncer, ZmqLink
 
 __version__ = "0.1.0"
 
@@ -36,5 +36,6 @@ __all__ = [
     "pack_fragments",
     "RackmendOptimizer",
     "InProcessSyncer",
+    "ZmqLink",
     "__version__",
 ]

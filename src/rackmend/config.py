@@ -71,6 +71,14 @@ class ScheduleConfig:
     tensors by bytes) or ``strided`` (block i of the model's repeated block list
     goes to fragment i mod P; other tensors fill the lightest fragment)."""
 
+    sync_buffers: bool = True
+    """Persistent floating-point buffers (BatchNorm running statistics) travel with their
+    fragment and merge by the weighted mean of the learners' values, without an outer
+    step, so the global model carries statistics that match its weights. Integer buffers
+    (``num_batches_tracked``) always stay local. False: every buffer stays local (each
+    rack keeps its own statistics; the syncer's global model then has none). Must be
+    the same on every learner (it changes the layout)."""
+
     def validate(self) -> None:
         _check(self.sync_every >= 1, f"sync_every (H) must be >= 1, got {self.sync_every}")
         _check(self.num_fragments >= 1, f"num_fragments (P) must be >= 1, got {self.num_fragments}")
@@ -208,6 +216,13 @@ class LearnerConfig:
     mix_alpha: float = 0.5
     """alpha of the ``mix`` rule: the share of the local value kept."""
 
+    tokens_per_step: float | None = None
+    """What one inner step of this rank is worth when ``step()`` is called without
+    ``tokens`` (the Hugging Face ``Trainer`` does that): e.g. batch size x sequence
+    length. Merge weights grow with token counts, so a rack that counts 1 per step
+    beside racks that count thousands weighs almost nothing (the syncer logs a
+    ``token_units`` warning when it sees that). None: 1 per step, with a warning."""
+
     wait_timeout: float = 600.0
     """Seconds a blocking wait (join, deterministic mode) may take before it fails with
     an error instead of hanging. Raise it when one merge legitimately takes longer."""
@@ -216,6 +231,8 @@ class LearnerConfig:
         _one_of("apply", self.apply, APPLY_RULES)
         _check(0 <= self.mix_alpha <= 1, f"mix_alpha must lie in [0, 1], got {self.mix_alpha}")
         _check(self.wait_timeout > 0, f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
+        _check(self.tokens_per_step is None or self.tokens_per_step > 0,
+               f"tokens_per_step must be > 0 (tokens one step trains on) or None, got {self.tokens_per_step}")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -3,6 +3,17 @@
 Pure functions over parameter names, shapes and dtypes. A fragment's identity
 (its index, its tensors in model order, their shapes) is the same on every learner
 and on the syncer because it depends only on the model's structure.
+
+Names are canonical: wrappers that only add a prefix (DDP and DataParallel's
+``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1's ``_fsdp_wrapped_module.``,
+activation checkpointing's ``_checkpoint_wrapped_module.``) are seen through, so a
+DDP rack, a compiled rack and a plain rack of one model have one layout.
+
+What travels: trainable parameters, and (``buffers=True``, the default) persistent
+floating-point buffers such as BatchNorm's running statistics, which the syncer
+merges by weighted mean without an outer step. Integer buffers (BatchNorm's
+``num_batches_tracked``) and non-persistent buffers (rotary tables, masks) stay
+local: a counter of batches seen is each rack's own, and a constant needs no merge.
 """
 
 from __future__ import annotations
@@ -25,6 +36,11 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "fingerprint",
+    "layout_difference",
+    "canonical_name",
+    "unwrap_model",
+    "model_tensors",
+    "fragment_tensors",
     "dtype_name",
     "layout_to_wire",
     "layout_from_wire",
@@ -39,6 +55,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     is_embedding: bool = False
+    is_buffer: bool = False
+    """A floating-point buffer: merged by weighted mean, no outer step."""
 
     @property
     def numel(self) -> int:
@@ -82,6 +100,59 @@ def _embedding_param_ids(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+"""Name components that only wrappers add (compile, FSDP1, activation checkpointing)."""
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the components wrappers insert (``_orig_mod`` and the like)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel / ``torch.compile`` wrappers (the same
+    parameter objects, without the ``module.`` or ``_orig_mod.`` prefix)."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
+def model_tensors(model: nn.Module, buffers: bool = True) -> list[tuple[str, torch.Tensor, bool]]:
+    """What rackmend synchronises, as (canonical name, tensor, is_buffer) in model order:
+    trainable parameters, then (``buffers``) persistent floating-point buffers. The one
+    place that decides which tensors travel; learners and the syncer's layout use it."""
+    model = unwrap_model(model)
+    out: list[tuple[str, torch.Tensor, bool]] = [
+        (canonical_name(n), p, False) for n, p in model.named_parameters() if p.requires_grad]
+    if buffers:
+        for n, b in model.named_buffers():
+            owner, _, leaf = n.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if b.is_floating_point() and leaf not in module._non_persistent_buffers_set:
+                out.append((canonical_name(n), b, True))
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"two tensors share the canonical name {dup!r} once wrapper prefixes are removed; "
+                          "rename one of the modules")
+    return out
+
+
+def fragment_tensors(model: nn.Module, fragments: Sequence["FragmentSpec"], buffers: bool = True
+                     ) -> list[list[torch.Tensor]]:
+    """``model``'s tensors of each fragment, in the fragment's order (found by canonical name)."""
+    by_name = {n: t for n, t, _ in model_tensors(model, buffers)}
+    missing = [n for f in fragments for n in f.names if n not in by_name]
+    if missing:
+        raise ConfigError(f"the model has no tensor named {missing[0]!r} (of {len(missing)} missing); "
+                          f"it has e.g. {sorted(by_name)[:5]}")
+    return [[by_name[n] for n in f.names] for f in fragments]
+
+
 def _largest_block_list(model: nn.Module) -> str | None:
     """Name of the nn.ModuleList holding the most parameters (the repeated blocks)."""
     best, best_size = None, 0
@@ -99,6 +170,8 @@ def pack_fragments(
     sync_every: int,
     packing: str = "balanced",
     blocks: str | None = None,
+    *,
+    buffers: bool = True,
 ) -> list[FragmentSpec]:
     """Split ``model``'s trainable parameters into ``num_fragments`` fragments.
 
@@ -106,21 +179,22 @@ def pack_fragments(
     fragment (greedy bin-packing by bytes). ``strided``: parameters under
     ``<blocks>.<i>.`` go to fragment i mod P (``blocks`` defaults to the model's
     largest ``nn.ModuleList``); other parameters then fill the lightest fragments.
-    Within a fragment, tensors keep the model's parameter order.
+    Within a fragment, tensors keep the model's order. ``buffers``: include persistent
+    floating-point buffers (see the module docstring).
     """
     if packing not in PACKINGS:
         raise ConfigError(f"packing={packing!r} is not known; use one of {', '.join(PACKINGS)}")
-    emb = _embedding_param_ids(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
+    emb = _embedding_param_ids(unwrap_model(model))
+    named = model_tensors(model, buffers)
+    if not any(not is_buffer for _, _, is_buffer in named):
         raise ConfigError("the model has no trainable parameters to synchronise")
     if num_fragments > len(named):
         raise ConfigError(
-            f"num_fragments (P)={num_fragments} exceeds the model's {len(named)} parameter tensors: "
+            f"num_fragments (P)={num_fragments} exceeds the model's {len(named)} tensors: "
             "a fragment would be empty; lower num_fragments"
         )
     specs = [
-        TensorSpec(n, tuple(p.shape), p.dtype, id(p) in emb) for n, p in named
+        TensorSpec(n, tuple(p.shape), p.dtype, id(p) in emb, is_buffer) for n, p, is_buffer in named
     ]
     order = {s.name: i for i, s in enumerate(specs)}
     bins: list[list[TensorSpec]] = [[] for _ in range(num_fragments)]
@@ -132,7 +206,7 @@ def pack_fragments(
 
     rest: list[TensorSpec] = specs
     if packing == "strided":
-        prefix = blocks if blocks is not None else _largest_block_list(model)
+        prefix = blocks if blocks is not None else _largest_block_list(unwrap_model(model))
         if prefix is None:
             raise ConfigError(
                 "packing='strided' needs a repeated block list (an nn.ModuleList); "
@@ -167,8 +241,31 @@ def fingerprint(fragments: Iterable[FragmentSpec]) -> str:
     for f in fragments:
         h.update(f"{f.index}:{f.offset};".encode())
         for t in f.tensors:
-            h.update(f"{t.name}|{t.shape}|{t.dtype}|{int(t.is_embedding)};".encode())
+            h.update(f"{t.name}|{t.shape}|{t.dtype}|{int(t.is_embedding)}|{int(t.is_buffer)};".encode())
     return h.hexdigest()[:16]
+
+
+def layout_difference(mine: Sequence[FragmentSpec], theirs: Sequence[FragmentSpec]) -> str | None:
+    """The first way ``theirs`` differs from ``mine`` (a tensor by name with both shapes,
+    a fragment count, an offset), or None when the two are the same layout."""
+    def describe(t: TensorSpec) -> str:
+        kind = "buffer" if t.is_buffer else "parameter"
+        return f"{kind} {t.name} {dtype_name(t.dtype)} {list(t.shape)}"
+
+    if len(mine) != len(theirs):
+        return (f"{len(theirs)} fragments against {len(mine)}: num_fragments (P) differs, or the model "
+                "has a different number of tensors")
+    for a, b in zip(mine, theirs):
+        if a.offset != b.offset:
+            return (f"fragment {a.index} leaves at offset {b.offset} against {a.offset}: sync_every (H) "
+                    "or num_fragments (P) differs")
+        for i in range(max(len(a.tensors), len(b.tensors))):
+            ta = a.tensors[i] if i < len(a.tensors) else None
+            tb = b.tensors[i] if i < len(b.tensors) else None
+            if ta != tb:
+                return (f"fragment {a.index}, tensor {i}: {describe(tb) if tb else 'nothing'} against "
+                        f"{describe(ta) if ta else 'nothing'} (different models, packing or sync_buffers)")
+    return None
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -183,12 +280,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 def layout_to_wire(fragments: Sequence[FragmentSpec]) -> list[dict[str, Any]]:
     """The layout as plain lists and maps (for msgpack headers and checkpoint JSON)."""
     return [{"index": f.index, "offset": f.offset,
-             "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), t.is_embedding] for t in f.tensors]}
+             "tensors": [[t.name, list(t.shape), dtype_name(t.dtype), t.is_embedding, t.is_buffer]
+                         for t in f.tensors]}
             for f in fragments]
 
 
 def layout_from_wire(raw: Any) -> list[FragmentSpec]:
-    """Inverse of ``layout_to_wire``; raises ValueError on anything malformed."""
+    """Inverse of ``layout_to_wire``; raises ValueError on anything malformed. Entries
+    without the buffer flag (checkpoints written before buffers travelled) are parameters."""
     if not isinstance(raw, list) or not raw:
         raise ValueError("layout: expected a non-empty list of fragments")
     out = []
@@ -197,10 +296,10 @@ def layout_from_wire(raw: Any) -> list[FragmentSpec]:
             raise ValueError(f"layout: fragment {i} is malformed")
         tensors = []
         for t in f.get("tensors", ()):
-            if (not isinstance(t, list) or len(t) != 4 or not isinstance(t[0], str)
+            if (not isinstance(t, list) or len(t) not in (4, 5) or not isinstance(t[0], str)
                     or not isinstance(t[1], list) or not all(isinstance(d, int) and d >= 0 for d in t[1])
-                    or t[2] not in _DTYPES or not isinstance(t[3], bool)):
+                    or t[2] not in _DTYPES or not all(isinstance(flag, bool) for flag in t[3:])):
                 raise ValueError(f"layout: a tensor of fragment {i} is malformed: {str(t)[:80]}")
-            tensors.append(TensorSpec(t[0], tuple(t[1]), _DTYPES[t[2]], t[3]))
+            tensors.append(TensorSpec(t[0], tuple(t[1]), _DTYPES[t[2]], *t[3:]))
         out.append(FragmentSpec(i, f["offset"], tuple(tensors)))
     return out

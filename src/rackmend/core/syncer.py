@@ -458,15 +458,19 @@ class SyncerCore:
             [self._anchored(p, c) for c in contribs],
             raw,
             sc.merge,
-            [t.is_embedding for t in spec.tensors],
+            [t.is_embedding or t.is_buffer for t in spec.tensors],  # rda is for weights only
         )
         opt = self.optimizers[p]
         old = [t.detach().clone() for t in self.theta[p]] if self.downlink is not None else None
-        for theta, g in zip(self.theta[p], merged):
-            theta.grad = g
-        opt.step()
-        for theta in self.theta[p]:
-            theta.grad = None
+        for theta, g, t in zip(self.theta[p], merged, spec.tensors):
+            theta.grad = None if t.is_buffer else g
+        opt.step()  # tensors without .grad (buffers) are left alone by torch.optim
+        with torch.no_grad():
+            for theta, g, t in zip(self.theta[p], merged, spec.tensors):
+                theta.grad = None
+                if t.is_buffer:
+                    # Theta_b - mean(Theta_b - b_m) = the weighted mean of the learners' b_m.
+                    theta.sub_(g)
         delta = self._compress_change(p, old) if old is not None else None
         round_index = self.versions[p]
         self.versions[p] += 1

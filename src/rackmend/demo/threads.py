@@ -23,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from rackmend.config import LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
-from rackmend.core.fragments import pack_fragments
 from rackmend.learner.optimizer import RackmendOptimizer
 from rackmend.transport.inprocess import InProcessSyncer
 from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
@@ -101,10 +100,7 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
     """Run M learner threads against an in-process syncer and measure."""
     torch.manual_seed(s.seed)
     init = GPT(s.model)
-    sch = config.schedule
-    frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing)
-    named = dict(init.named_parameters())
-    hub = InProcessSyncer(config, frags, [[named[n].detach() for n in f.names] for f in frags])
+    hub = InProcessSyncer.for_model(config, init)
     eval_model = GPT(s.model)
     eval_batches = corpus.eval_batches(8, 16, s.model.block_size)
     tokens_per_step = s.batch_size * s.model.block_size
@@ -128,7 +124,7 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
         try:
             model = GPT(s.model)
             inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-            opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id=lid, fragments=frags)
+            opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id=lid, fragments=hub.core.fragments)
             g = torch.Generator().manual_seed(s.seed * 1000 + idx)
             for t in range(1, s.steps + 1):
                 x, y = corpus.batch(g, s.batch_size, s.model.block_size)

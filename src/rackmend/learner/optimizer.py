@@ -9,13 +9,20 @@ blocks only when joining and, in deterministic mode, at t_send + tau. A merged
 value is applied only at t_send + tau of this learner's own send (or the first step
 after it arrives, if later), never in between.
 
+It honours the ``torch.optim.Optimizer`` contract: step and state_dict hooks,
+LR schedulers (``param_groups`` are the inner optimizer's), ``zero_grad``.
+Checkpoint/resume works in either usual order (model then optimizer state, or the
+optimizer built first); see ``load_state_dict`` and docs/integration.md.
+
 The transport is whatever ``LearnerLink`` is passed in; nothing here knows sockets.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,12 +30,18 @@ import torch
 from torch import nn
 
 from rackmend.codecs.feedback import FeedbackEncoder
-from rackmend.config import RackmendConfig
-from rackmend.core.fragments import FragmentSpec, fragments_due, pack_fragments
+from rackmend.config import ConfigError, RackmendConfig
+from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.transport.base import LearnerLink, TransportError
 
-__all__ = ["RackmendOptimizer"]
+__all__ = ["RackmendOptimizer", "ResumeOrderError"]
+
+log = logging.getLogger("rackmend.learner")
+
+
+class ResumeOrderError(RuntimeError):
+    """The model's parameters were overwritten after ``load_state_dict`` rebased them."""
 
 
 @dataclass
@@ -44,9 +57,17 @@ class RackmendOptimizer(torch.optim.Optimizer):
     """Wrap ``inner`` (e.g. AdamW over ``model``) with rackmend's outer loop.
 
     Call ``step(tokens=n)`` where you would call ``inner.step()``; ``tokens`` is the
-    number of tokens (or samples) trained on in this step and defaults to 1, so
-    weights then follow step counts. On construction the learner joins through
-    ``link`` and loads the syncer's current parameters into ``model``.
+    number of tokens (or samples) this rank trained on in this step. Callers that
+    cannot pass it (the Hugging Face ``Trainer`` calls ``step()`` bare) set
+    ``LearnerConfig.tokens_per_step`` or pass ``count_tokens``, a callable returning
+    this step's tokens; with neither, a step counts 1 and a warning says so once.
+
+    ``model`` may be wrapped (DDP, ``torch.compile``): names are canonical. Inside a
+    multi-rank learner (torchrun) rank and world size come from ``process_group``
+    (the default group when None), and ``link`` must carry the same ones
+    (``ZmqLink(endpoint)`` takes them from ``torch.distributed`` itself).
+    On construction the learner joins through ``link`` and loads the syncer's current
+    values into ``model``.
     """
 
     def __init__(
@@ -59,9 +80,18 @@ class RackmendOptimizer(torch.optim.Optimizer):
         learner_id: str | None = None,
         fragments: list[FragmentSpec] | None = None,
         process_group: Any = None,
+        count_tokens: Callable[[], float] | None = None,
     ) -> None:
-        # Deliberately no super().__init__: param_groups and state are the inner
-        # optimizer's, exactly as torch's PostLocalSGDOptimizer does it.
+        # Deliberately no Optimizer.__init__ (it would build param_groups and state of its
+        # own): those are the inner optimizer's, as in torch's PostLocalSGDOptimizer. The
+        # hook tables and the hooked step are set up as Optimizer.__init__ would.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._patch_step_function()
         self.inner = inner
         self.model = model
         self.config = config
@@ -71,6 +101,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             raise ValueError("no learner id: pass learner_id=... or set RACKMEND_LEARNER_ID; "
                              "keep it the same across restarts so the syncer knows the learner")
         self.learner_id = learner_id
+        self.count_tokens = count_tokens
+        self._warned_tokens = False
         # Inside a multi-rank learner (torchrun), rank r owns fragments p = r mod world:
         # only it sends them and talks to the syncer about them; merged values reach the
         # other ranks by broadcast, at the same step on every rank.
@@ -79,12 +111,20 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._dist = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         self.world_size = dist.get_world_size(process_group) if self._dist else 1
         self.rank = dist.get_rank(process_group) if self._dist else 0
+        link_ranks = (getattr(link, "rank", 0), getattr(link, "world_size", 1))
+        if link_ranks != (self.rank, self.world_size):
+            # A link that disagrees would carry only part of the fragments (each rank of
+            # a 2-rank job calling itself rank 0 of 1 sends the same half twice).
+            raise ConfigError(
+                f"the link carries rank {link_ranks[0]} of {link_ranks[1]}, but the process group says rank "
+                f"{self.rank} of {self.world_size}; build the link after init_process_group with "
+                "ZmqLink(endpoint) (it reads both from torch.distributed) or pass it the same "
+                "process_group as RackmendOptimizer")
         sch = config.schedule
-        self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing)
-        named = dict(model.named_parameters())
-        self._params: list[list[torch.Tensor]] = [
-            [named[name] for name in spec.names] for spec in self.fragments
-        ]
+        self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
+                                                     buffers=sch.sync_buffers)
+        self._params: list[list[torch.Tensor]] = fragment_tensors(model, self.fragments)
+        """Per fragment, the model's tensors (parameters and synced buffers) in order."""
         n = len(self.fragments)
         self.step_count = 0
         self.versions = [0] * n
@@ -95,6 +135,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._pending: dict[int, _Pending] = {}
         self._arrived: dict[int, Update] = {}
         self._last_step_end: float | None = None
+        self._rebased: list[tuple[torch.Tensor, int]] | None = None
+        """Set by load_state_dict when it rebased: each tensor and its version counter then."""
         self.blocked_seconds = 0.0
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
@@ -131,15 +173,44 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], float] | None = None, tokens: float = 1) -> Any:  # type: ignore[override]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "RackmendOptimizer fixes its fragments when it is built, so parameters added later would "
+            "never be synchronised; add the group to the inner optimizer before building RackmendOptimizer")
+
+    def step(self, closure: Callable[[], float] | None = None, tokens: float | None = None) -> Any:  # type: ignore[override]
         """One inner step, then rackmend's per-step bookkeeping (never waits on peers
-        except in deterministic mode)."""
+        except in deterministic mode). ``tokens``: what this rank trained on in this step
+        (see the class docstring for callers that cannot pass it)."""
+        if self._rebased is not None:
+            self._check_not_overwritten()
         loss = self.inner.step(closure)
-        self.after_inner_step(tokens)
+        self.after_inner_step(self._tokens(tokens))
         return loss
 
+    def _tokens(self, tokens: float | None) -> float:
+        if tokens is not None:
+            return tokens
+        if self.count_tokens is not None:
+            return float(self.count_tokens())
+        per_step = self.config.learner.tokens_per_step
+        if per_step is not None:
+            return per_step
+        if not self._warned_tokens:
+            self._warned_tokens = True
+            log.warning(
+                "learner %s: step() got no tokens and no LearnerConfig.tokens_per_step or count_tokens is set; "
+                "each step counts 1. If another rack passes token counts, this rack's merges weigh almost "
+                "nothing: pass step(tokens=...) or set tokens_per_step", self.learner_id)
+        return 1.0
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The inner optimizer's state plus rackmend's: counters, versions, the global
+        values held, and this learner's parameters (so that ``load_state_dict`` can
+        restore them onto a newer global value whatever the model holds then)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state = {
             "inner": self.inner.state_dict(),
             "rackmend": {
                 "learner_id": self.learner_id,
@@ -149,16 +220,35 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "c_tokens": list(self.c_tokens),
                 "c_time": list(self.c_time),
                 "held": [[t.clone() for t in h] for h in self.held],
+                "params": [[t.detach().clone() for t in ts] for ts in self._params],
                 "uplink": {} if self._uplink is None else self._uplink.state_dict(),
             },
         }
+        for post in self._optimizer_state_dict_post_hooks.values():
+            result = post(self, state)
+            if result is not None:
+                state = result
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore inner state and rackmend counters. Where the syncer (at join) gave a
-        newer global value than the checkpoint holds, the local progress since the
-        checkpoint's value is rebased onto the newer one instead of being lost."""
+        """Restore inner state, rackmend's counters and this learner's parameters.
+
+        The parameters come from ``state_dict`` itself, so the order of
+        ``model.load_state_dict`` against building this optimizer does not matter.
+        Where the syncer (at join) gave a newer global value than the checkpoint
+        holds, the local progress since the checkpoint's value is rebased onto the
+        newer one instead of being lost. Loading the model's own checkpoint *after*
+        this call would undo that rebase; the next ``step`` then raises
+        ``ResumeOrderError``."""
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.inner.load_state_dict(state_dict["inner"])
         rs = state_dict["rackmend"]
+        if "params" not in rs:
+            raise ValueError("this state_dict predates rackmend's parameter snapshot ('params'); "
+                             "save it again with this version")
         self.step_count = int(rs["step"])
         self.c_steps = [int(x) for x in rs["c_steps"]]
         self.c_tokens = [float(x) for x in rs["c_tokens"]]
@@ -167,13 +257,33 @@ class RackmendOptimizer(torch.optim.Optimizer):
             # Without its residuals a restored learner would silently drop what the
             # codec held back before the checkpoint.
             self._uplink.load_state_dict(rs.get("uplink", {}))
-        for p, (version, held) in enumerate(zip(rs["versions"], rs["held"])):
-            if int(version) >= self.versions[p]:
-                self.held[p] = [t.clone() for t in held]
-                self.versions[p] = int(version)
-            else:
-                self._rebase(p, old=held, new=self.held[p])
+        rebased = False
+        with torch.no_grad():
+            for p, (version, held, saved) in enumerate(zip(rs["versions"], rs["held"], rs["params"])):
+                for param, value in zip(self._params[p], saved):
+                    param.copy_(value)
+                if int(version) >= self.versions[p]:
+                    self.held[p] = [t.clone() for t in held]
+                    self.versions[p] = int(version)
+                else:
+                    self._rebase(p, old=held, new=self.held[p])
+                    rebased = True
         self._pending.clear()
+        # Parameters only: a forward pass updates buffers (BatchNorm statistics) in place.
+        self._rebased = [(t, t._version) for spec, ts in zip(self.fragments, self._params)
+                         for s, t in zip(spec.tensors, ts) if not s.is_buffer] if rebased else None
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def _check_not_overwritten(self) -> None:
+        changed = [t for t, v in self._rebased or () if t._version != v]
+        self._rebased = None
+        if changed:
+            raise ResumeOrderError(
+                "the model's parameters changed between RackmendOptimizer.load_state_dict and the first step "
+                "(e.g. model.load_state_dict after it), which undoes the rebase onto the syncer's newer global "
+                "value; restore in this order: model.load_state_dict(...) (optional), build RackmendOptimizer, "
+                "opt.load_state_dict(...), then train")
 
     def close(self) -> None:
         """Leave the run (the syncer stops expecting this learner at once)."""
@@ -186,7 +296,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.close()
 
     # ---------------------------------------------------------------- the outer loop
-    def after_inner_step(self, tokens: float = 1) -> None:
+    def after_inner_step(self, tokens: float) -> None:
         """Bookkeeping after one inner step; ``step`` calls it for you."""
         now = time.perf_counter()
         dt = 0.0 if self._last_step_end is None else now - self._last_step_end

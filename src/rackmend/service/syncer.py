@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from rackmend.config import ConfigError, RackmendConfig
-from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
+from rackmend.core.fragments import FragmentSpec, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -291,14 +291,16 @@ class SyncerService:
                 self._pending = _Pending(layout)
                 self._event("init_request", learner=h["learner"], fragments=len(layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
-            if fingerprint(layout) != fingerprint(self._pending.layout):
-                raise wire.WireError("parameter layout differs from the first learner's")
+            difference = layout_difference(self._pending.layout, layout)
+            if difference:
+                raise wire.WireError(f"learner {h['learner']}: layout differs from the first learner's: {difference}")
             self._pending.waiting = [(i, m) for i, m in self._pending.waiting if i != ident] + [(ident, msg)]
             return
-        if fingerprint(layout) != fingerprint(self.core.fragments):
-            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason":
-                       "the learner's parameter layout (model or fragment count) differs from the syncer's"}))
-            raise wire.WireError(f"learner {h['learner']}: layout does not match the syncer's")
+        difference = layout_difference(self.core.fragments, layout)
+        if difference:
+            reason = f"the learner's layout differs from the syncer's: {difference}"
+            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason": reason}))
+            raise wire.WireError(f"learner {h['learner']}: {reason}")
         lid, rank = h["learner"], h["rank"]
         world = h.get("world", 1)
         if not isinstance(world, int) or isinstance(world, bool) or not 0 <= rank < world:

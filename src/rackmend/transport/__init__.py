@@ -1,10 +1,11 @@
 """Transports: how contributions and updates travel between learners and the syncer.
 
 ``base`` defines the learner-side contract; ``inprocess`` carries messages through
-queues inside one Python process.
+queues inside one Python process; ``zmq_link`` reaches a ``rackmend syncer`` service.
 """
 
 from rackmend.transport.base import LearnerLink, TransportError
 from rackmend.transport.inprocess import InProcessLink, InProcessSyncer
+from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink
 
-__all__ = ["LearnerLink", "TransportError", "InProcessLink", "InProcessSyncer"]
+__all__ = ["LearnerLink", "TransportError", "InProcessLink", "InProcessSyncer", "ZmqLink", "CurveClientKeys"]

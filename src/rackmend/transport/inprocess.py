@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from rackmend.config import RackmendConfig
-from rackmend.core.fragments import FragmentSpec, fingerprint, pack_fragments
+from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -65,9 +65,9 @@ class InProcessSyncer:
     def for_model(cls, config: RackmendConfig, model: torch.nn.Module, **kwargs: object) -> "InProcessSyncer":
         """A syncer whose global value starts as ``model``'s parameters, split per ``config``."""
         sch = config.schedule
-        frags = pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing)
-        named = dict(model.named_parameters())
-        return cls(config, frags, [[named[n].detach() for n in f.names] for f in frags], **kwargs)  # type: ignore[arg-type]
+        frags = pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing, buffers=sch.sync_buffers)
+        return cls(config, frags, [[t.detach() for t in ts] for ts in fragment_tensors(model, frags)],
+                   **kwargs)  # type: ignore[arg-type]
 
     def connect(self) -> "InProcessLink":
         """A new link for one learner."""
@@ -148,11 +148,15 @@ class InProcessLink(QueueLink):
         super().__init__(lambda: hub._error)
         self._hub = hub
         self.learner_id: str | None = None
+        self.rank = 0
+        self.world_size = 1
+        """An in-process link carries a single-process learner (all its fragments)."""
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
-        if fingerprint(fragments) != fingerprint(self._hub.core.fragments):
-            raise TransportError(f"join of {learner_id}: the learner's parameter layout differs from the syncer's")
+        difference = layout_difference(self._hub.core.fragments, fragments)
+        if difference:
+            raise TransportError(f"join of {learner_id}: the learner's layout differs from the syncer's: {difference}")
         self.learner_id = learner_id
         self._hub._register(learner_id, self._box)
         self._hub._post(LearnerJoined(learner_id))

@@ -62,6 +62,16 @@ class CurveClientKeys:
     """The syncer's public key (from its ``.key`` file)."""
 
 
+def _ranks(process_group: Any) -> tuple[int, int]:
+    """(rank, world size) of this process in ``process_group`` (the default group when
+    None) once torch.distributed is initialised; before that, torchrun's ``RANK`` and
+    ``WORLD_SIZE``; without either, one rank."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group), dist.get_world_size(process_group)
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class ZmqLink(QueueLink):
     """LearnerLink over ZeroMQ. ``endpoint`` like ``tcp://127.0.0.1:5555``."""
 
@@ -69,8 +79,9 @@ class ZmqLink(QueueLink):
         self,
         endpoint: str,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        process_group: Any = None,
         heartbeat_s: float = 1.0,
         curve: CurveClientKeys | None = None,
         max_message_bytes: int = 1 << 31,
@@ -78,11 +89,16 @@ class ZmqLink(QueueLink):
     ) -> None:
         super().__init__(lambda: self._error)
         self.endpoint = endpoint
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size, or neither (then they come from torch.distributed)")
+        if rank is None or world_size is None:
+            rank, world_size = _ranks(process_group)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         self.rank = rank
         self.world_size = world_size
-        """Ranks of this learner; this link carries fragments p with p % world_size == rank."""
+        """Ranks of this learner; this link carries fragments p with p % world_size == rank.
+        RackmendOptimizer refuses a link whose ranks differ from its process group's."""
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes = max_message_bytes
         self.leave_timeout_s = leave_timeout_s
@@ -116,14 +132,12 @@ class ZmqLink(QueueLink):
 
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
-        """A link for this process as torchrun launched it: rank and world size from
-        ``RANK``/``WORLD_SIZE`` (1 rank without torchrun), the endpoint from the argument
-        or ``RACKMEND_CONNECT``."""
+        """A link whose endpoint comes from the argument or ``RACKMEND_CONNECT``; rank and
+        world size as in the constructor."""
         endpoint = endpoint or os.environ.get("RACKMEND_CONNECT")
         if not endpoint:
             raise TransportError("no syncer endpoint: pass one or set RACKMEND_CONNECT=tcp://host:port")
-        return cls(endpoint, rank=int(os.environ.get("RANK", "0")),
-                   world_size=int(os.environ.get("WORLD_SIZE", "1")), **kwargs)
+        return cls(endpoint, **kwargs)
 
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
