@@ -51,6 +51,9 @@ def main() -> int:
     p.add_argument("--uplink-codec", default="none")
     p.add_argument("--downlink-codec", default="none", help="only the syncer uses it; kept so configs are equal")
     p.add_argument("--held-out", type=Path)
+    p.add_argument("--wrap", choices=("none", "ddp"), default="none", help="ddp: wrap the model in DDP (torchrun)")
+    p.add_argument("--link", choices=("env", "plain"), default="env",
+                   help="plain: ZmqLink(endpoint) as docs/multinode.md shows; env: ZmqLink.from_env")
     a = p.parse_args()
     faulthandler.register(signal.SIGUSR1)  # tests dump a stuck learner's stacks with SIGUSR1
     torch.set_num_threads(1)
@@ -73,9 +76,11 @@ def main() -> int:
         pub, sec = zmq.auth.load_certificate(a.keys[1])
         server_pub, _ = zmq.auth.load_certificate(a.keys[2])
         curve = CurveClientKeys(public=pub, secret=sec, server_public=server_pub)
-    model = make_model()
-    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink.from_env(a.endpoint, curve=curve, heartbeat_s=0.2),
-                            learner_id=a.id)
+    raw = make_model()
+    model = torch.nn.parallel.DistributedDataParallel(raw) if a.wrap == "ddp" else raw
+    link = (ZmqLink(a.endpoint, curve=curve, heartbeat_s=0.2) if a.link == "plain"
+            else ZmqLink.from_env(a.endpoint, curve=curve, heartbeat_s=0.2))
+    opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id=a.id)
     try:
         for t in range(1, a.steps + 1):
             x, y, tokens = batch(a.id, t)  # every rank the same batch: stays equal to a 1-rank learner
@@ -96,7 +101,7 @@ def main() -> int:
     if world > 1:
         torch.distributed.destroy_process_group()
     if a.out and rank == 0:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(a.out))
+        save_file({k: v.detach().contiguous() for k, v in raw.state_dict().items()}, str(a.out))
     if a.held_out and world == 1:
         held = {f"held/{p}/{i}": t.contiguous().clone() for p, ts in enumerate(opt.held) for i, t in enumerate(ts)}
         save_file({**held, "versions": torch.tensor(opt.versions)}, str(a.held_out))

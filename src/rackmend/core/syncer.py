@@ -46,7 +46,18 @@ __all__ = [
     "Event",
     "Action",
     "Ema",
+    "WARNING_EVENTS",
+    "TOKEN_UNITS_RATIO",
 ]
+
+WARNING_EVENTS = frozenset({"token_units"})
+"""Log events that mean a run is probably wrong; drivers log them at WARNING level."""
+
+TOKEN_UNITS_RATIO = 10.0
+"""A learner whose tokens per step differ from the other learners' median by this factor
+or more probably counts in other units (e.g. 1 per step beside batch x sequence): under
+``tokens_sq_per_step`` its weight is off by the square of it. Racks whose batches really
+differ that much get the warning once and can ignore it."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -181,6 +192,9 @@ class SyncerCore:
         self.xi_quorum = Ema(sc.ema_decay)
         self.xi_sync = Ema(sc.ema_decay)
         self.rejected = 0
+        self.tokens_per_step: dict[str, float] = {}
+        """Per learner, tokens per step of its latest contribution (for ``token_units``)."""
+        self._units_warned: set[str] = set()
         downlink = config.compression.build_downlink()
         self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
@@ -408,7 +422,28 @@ class SyncerCore:
             rnd.first_arrival = now
         if c.step_time > 0:
             self.xi_step.add(c.step_time)
+        self._check_units(c, now, actions)
         return p
+
+    def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
+        """Warn once per learner whose tokens per step look like other units than the
+        rest of the fleet's: its merge weight would be off by that factor, silently."""
+        if c.c_steps <= 0:
+            return
+        self.tokens_per_step[c.learner_id] = rate = c.c_tokens / c.c_steps
+        others = sorted(v for lid, v in self.tokens_per_step.items() if lid != c.learner_id)
+        if not others or c.learner_id in self._units_warned:
+            return
+        median = others[len(others) // 2]
+        if rate > 0 and median > 0 and max(rate / median, median / rate) < TOKEN_UNITS_RATIO:
+            return
+        self._units_warned.add(c.learner_id)
+        actions.append(self._log(
+            now, "token_units", learner=c.learner_id, tokens_per_step=rate, others_median=median,
+            reason=(f"learner {c.learner_id} reports {rate:g} tokens per step, the others a median of "
+                    f"{median:g}: its merges weigh {'almost nothing' if rate < median else 'almost everything'} unless its "
+                    "batches really are that different. Pass step(tokens=...) in the same unit on every rack "
+                    "(or set LearnerConfig.tokens_per_step where step() is called without tokens)")))
 
     def _close_all_due(self, now: float, actions: list[Action]) -> None:
         for p in range(len(self.fragments)):

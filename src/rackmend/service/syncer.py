@@ -35,6 +35,7 @@ from rackmend.core.syncer import (
     SyncerCore,
     SyncTimed,
     Tick,
+    WARNING_EVENTS,
 )
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
@@ -494,6 +495,8 @@ class SyncerService:
     def _record(self, record: dict) -> None:
         if record["event"] == "auth_denied":
             log.warning("refused a connection: %s", record["reason"])
+        elif record["event"] in WARNING_EVENTS:
+            log.warning("%s", record.get("reason", record))
         elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join"):
             log.info("%s", record)
         with self._log_lock:

@@ -8,6 +8,7 @@ passed by reference (nobody mutates a sent tensor).
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -29,10 +30,13 @@ from rackmend.core.syncer import (
     SyncerCore,
     SyncTimed,
     Tick,
+    WARNING_EVENTS,
 )
 from rackmend.transport.base import QueueLink, TransportError
 
 __all__ = ["InProcessSyncer", "InProcessLink"]
+
+log = logging.getLogger("rackmend.syncer")
 
 _POLL = 0.05  # seconds; upper bound on how late a stop request or grace expiry is seen
 
@@ -129,6 +133,8 @@ class InProcessSyncer:
                             box.put(action.update)
             elif isinstance(action, LogRecord):
                 self.events.append(action.record)
+                if action.record["event"] in WARNING_EVENTS:
+                    log.warning("%s", action.record.get("reason", action.record))
                 if self._log_file:
                     self._log_file.write(json.dumps(action.record) + "\n")
                 if action.record["event"] == "merge":

@@ -1,0 +1,355 @@
+"""Traps real training scripts fell into on the learner side, each of which once gave a
+wrong model without an error: rank/world disagreement, missing token counts, buffers,
+resume order, wrapper prefixes, the optimizer contract."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from rackmend import (
+    ConfigError,
+    InProcessSyncer,
+    LearnerConfig,
+    RackmendConfig,
+    RackmendOptimizer,
+    ScheduleConfig,
+    SyncerConfig,
+    ZmqLink,
+)
+from rackmend.core.fragments import pack_fragments
+from rackmend.learner.optimizer import ResumeOrderError
+from rackmend.transport.base import TransportError
+
+from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_threads, train
+from reference import reference_run
+from test_service import LEARNER, TORCHRUN, Procs, events, finish, procs  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H = 3
+
+
+def _config(P: int = 2, tau: int = 1, M: int = 2, **learner: object) -> RackmendConfig:
+    return RackmendConfig(
+        schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+        syncer=SyncerConfig(min_quorum=M, learners=tuple(f"l{i}" for i in range(M))),
+        learner=LearnerConfig(wait_timeout=30, **learner),  # type: ignore[arg-type]
+        deterministic=True,
+    )
+
+
+# ---------------------------------------------------------------- 1. ranks of the link
+def test_link_whose_ranks_differ_from_the_process_group_is_refused() -> None:
+    model = make_model()
+    link = ZmqLink("tcp://127.0.0.1:9", rank=1, world_size=2)  # nothing is sent: refused before join
+    with pytest.raises(ConfigError, match=r"rank 1 of 2.*rank 0 of 1"):
+        RackmendOptimizer(model, make_inner(model), _config(), link, learner_id="l0")
+
+
+def test_ddp_rack_with_the_documented_plain_link_equals_the_reference(procs: Procs, tmp_path: Path) -> None:
+    """`ZmqLink(endpoint)` in a 2-rank DDP job (as docs/multinode.md shows): every fragment
+    merges every round and the run equals the single-process reference bit for bit."""
+    ids, P, tau, steps = ["l0", "l1"], 4, 1, 12
+    _, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                               "--overlap", str(tau))
+    learners = {lid: procs.start([*TORCHRUN, *LEARNER[1:], "--endpoint", endpoint, "--id", lid, "--steps",
+                                  str(steps), "--H", str(H), "--P", str(P), "--tau", str(tau), "--deterministic",
+                                  "--learners", ",".join(ids), "--wrap", "ddp", "--link", "plain",
+                                  "--out", str(tmp_path / f"{lid}.safetensors")], lid)
+                for lid in ids}
+    for lid, proc in learners.items():
+        finish(proc, procs, lid, timeout=120)
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert sorted({e["fragment"] for e in merges}) == list(range(P)), "some fragments never merged"
+    assert all(e["merged"] == ids for e in merges)
+    config = _config(P, tau, M=2)
+    ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref_models[lid].state_dict().items():
+            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+
+
+# ---------------------------------------------------------------- 2. tokens
+def _two_racks(configs: dict[str, RackmendConfig], passes_tokens: dict[str, bool], steps: int = 2 * H
+               ) -> InProcessSyncer:
+    hub = InProcessSyncer.for_model(configs["l0"], make_model())
+
+    def rack(lid: str) -> None:
+        model = make_model()
+        opt = RackmendOptimizer(model, make_inner(model), configs[lid], hub.connect(), learner_id=lid)
+        for t in range(1, steps + 1):
+            x, y, tokens = batch(lid, t)
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step(tokens=tokens) if passes_tokens[lid] else opt.step()
+        opt.close()
+
+    run_threads(rack, [("l0",), ("l1",)])
+    hub.close()
+    return hub
+
+
+def test_step_without_tokens_uses_tokens_per_step() -> None:
+    """l1 calls step() bare (as the HF Trainer does) with tokens_per_step set: its merge
+    weight is of the same order as l0's, which passes tokens=."""
+    base = _config()
+    tokens_l1 = batch("l1", 1)[2]
+    configs = {"l0": base, "l1": base.replace(learner=LearnerConfig(wait_timeout=30, tokens_per_step=tokens_l1))}
+    hub = _two_racks(configs, {"l0": True, "l1": False})
+    merges = hub.merges()
+    assert merges
+    for e in merges:
+        assert 0.2 < e["weights"]["l1"] < 0.8, e["weights"]
+    assert not [e for e in hub.events if e["event"] == "token_units"]
+
+
+def test_rack_counting_steps_beside_racks_counting_tokens_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """Without tokens_per_step a bare step() counts 1: the learner warns, and the syncer
+    logs a token_units warning naming the rack whose merges weigh almost nothing."""
+    base = _config()
+    caplog.set_level(logging.WARNING)
+    hub = _two_racks({"l0": base, "l1": base}, {"l0": True, "l1": False})
+    units = [e for e in hub.events if e["event"] == "token_units"]
+    assert units and {e["learner"] for e in units} <= {"l0", "l1"}
+    assert "tokens_per_step" in caplog.text and "weigh" in caplog.text
+    assert any("step() got no tokens" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- 3. buffers
+class BNNet(nn.Module):
+    """Linear -> BatchNorm -> Linear regression: the running statistics matter at eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.out(torch.relu(self.bn(self.inp(x)))).squeeze(-1), y)
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return BNNet()
+
+
+def _bn_batch(lid: str, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Inputs far from zero mean and unit variance, so default statistics are wrong; each
+    rack draws its own samples, so their running statistics differ."""
+    idx = int(lid.lstrip("l"))
+    g = torch.Generator().manual_seed(100 * idx + step)
+    x = torch.randn(8, 6, generator=g) * 3 + 2
+    return x, x.sum(-1), 8
+
+
+def _run_bn(config: RackmendConfig, ids: list[str], steps: int) -> tuple[dict[str, nn.Module], InProcessSyncer]:
+    hub = InProcessSyncer.for_model(config, _bn_model())
+    models = {lid: _bn_model() for lid in ids}
+
+    def rack(lid: str) -> None:
+        model = models[lid]
+        opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id=lid)
+        for t in range(1, steps + 1):
+            x, y, tokens = _bn_batch(lid, t)
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step(tokens=tokens)
+        opt.close()
+
+    run_threads(rack, [(lid,) for lid in ids])
+    hub.close()
+    return models, hub
+
+
+def test_batchnorm_statistics_are_merged_by_weighted_mean() -> None:
+    """Running statistics travel with their fragment: the run (buffers included) equals the
+    reference, where buffers merge by the weighted mean without an outer step, and the
+    syncer's global model and checkpoint state hold them."""
+    config = _config(P=2, tau=1)
+    ids, steps = ["l0", "l1"], 4 * H
+    models, hub = _run_bn(config, ids, steps)
+    ref_models, ref_theta = reference_run(_bn_model, make_inner, _bn_batch, config, ids, steps)
+    assert_equal_to_reference(models, hub, ref_models, ref_theta)
+    for lid in ids:
+        for name, value in ref_models[lid].named_buffers():
+            assert torch.equal(dict(models[lid].named_buffers())[name], value), f"{lid}.{name} differs"
+    glob = hub.core.global_parameters()
+    assert {"bn.running_mean", "bn.running_var"} <= set(glob)
+    assert "bn.num_batches_tracked" not in glob, "integer buffers stay local"
+    assert glob["bn.running_mean"].abs().max() > 0.1, "the statistics never left their initial value"
+    tensors, _ = hub.core.state_dict()
+    spec = next(f for f in hub.core.fragments if "bn.running_mean" in f.names)
+    assert torch.equal(tensors[f"theta/{spec.index}/{spec.names.index('bn.running_mean')}"], glob["bn.running_mean"])
+
+
+def test_global_model_with_merged_statistics_predicts_like_the_racks() -> None:
+    """Evaluated with the syncer's global value (weights and statistics), the model does
+    about as well as a rack's own; with default statistics it does much worse."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=1, overlap=0),
+                            syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1"), outer_lr=1.0,
+                                                outer_kwargs={"momentum": 0.0}),
+                            learner=LearnerConfig(wait_timeout=30), deterministic=True)
+    models, hub = _run_bn(config, ["l0", "l1"], 80)
+    glob = _bn_model()
+    glob.load_state_dict(hub.core.global_parameters(), strict=False)
+    fresh_stats = copy.deepcopy(glob)
+    fresh_stats.bn.reset_running_stats()
+    xs = [_bn_batch(lid, 1000 + i) for lid in ("l0", "l1") for i in range(4)]
+
+    def mse(m: nn.Module) -> float:
+        m.eval()
+        with torch.no_grad():
+            return sum(float(m(x, y)) for x, y, _ in xs) / len(xs)
+
+    rack = max(mse(models[lid]) for lid in ("l0", "l1"))
+    assert mse(glob) < 1.5 * rack, (mse(glob), rack)
+    assert mse(fresh_stats) > 3 * mse(glob), (mse(fresh_stats), mse(glob))
+
+
+def test_sync_buffers_false_keeps_statistics_local() -> None:
+    config = _config(P=2, tau=1)
+    local = config.replace(schedule=ScheduleConfig(sync_every=H, num_fragments=2, overlap=1, sync_buffers=False))
+    assert not any(t.is_buffer for f in pack_fragments(_bn_model(), 2, H, buffers=False) for t in f.tensors)
+    models, hub = _run_bn(local, ["l0", "l1"], 2 * H)
+    assert "bn.running_mean" not in hub.core.global_parameters()
+    a, b = (dict(models[lid].named_buffers())["bn.running_mean"] for lid in ("l0", "l1"))
+    assert not torch.equal(a, b), "each rack keeps its own statistics"
+
+
+# ---------------------------------------------------------------- 4. resume order
+def _resume(order: str) -> tuple[nn.Module, dict, dict, RackmendOptimizer]:
+    """l0 trains, is checkpointed, trains on (the syncer moves ahead), and a fresh process
+    restores the checkpoint in ``order``. Returns the restored model and what it was
+    restored from (saved parameters, the optimizer state) and the new optimizer."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=2, overlap=0),
+                            syncer=SyncerConfig(min_quorum=1), learner=LearnerConfig(wait_timeout=30))
+    hub = InProcessSyncer.for_model(config, make_model())
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+    train(opt, model, "l0", range(1, 2 * H + 2))  # mid-period: local progress on top of the held value
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    train(opt, model, "l0", range(2 * H + 2, 5 * H))  # the syncer merges on
+    opt.close()
+    fresh = make_model(seed=7)
+    if order == "model_first":
+        fresh.load_state_dict(weights)
+        opt2 = RackmendOptimizer(fresh, make_inner(fresh), config, hub.connect(), learner_id="l0")
+        opt2.load_state_dict(saved)
+    elif order == "optimizer_first":
+        opt2 = RackmendOptimizer(fresh, make_inner(fresh), config, hub.connect(), learner_id="l0")
+        fresh.load_state_dict(weights)
+        opt2.load_state_dict(saved)
+    else:  # model_last: undoes the rebase
+        opt2 = RackmendOptimizer(fresh, make_inner(fresh), config, hub.connect(), learner_id="l0")
+        opt2.load_state_dict(saved)
+        fresh.load_state_dict(weights)
+    hub.close()
+    return fresh, weights, saved, opt2
+
+
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+def test_resume_restores_local_progress_on_the_newer_global_value(order: str) -> None:
+    model, weights, saved, opt = _resume(order)
+    held_then = saved["rackmend"]["held"]
+    assert any(v > int(s) for v, s in zip(opt.versions, saved["rackmend"]["versions"])), "the syncer did not move"
+    for p, spec in enumerate(opt.fragments):
+        for i, name in enumerate(spec.names):
+            expected = weights[name].clone()
+            expected.add_(opt.held[p][i] - held_then[p][i])  # theta_ckpt + (Theta_now - Theta_ckpt)
+            assert torch.equal(dict(model.named_parameters())[name], expected), f"{order}: {name}"
+
+
+def test_loading_the_model_after_the_optimizer_state_raises_at_the_next_step() -> None:
+    model, _, _, opt = _resume("model_last")
+    x, y, tokens = batch("l0", 99)
+    model(x, y).backward()
+    with pytest.raises(ResumeOrderError, match="model.load_state_dict"):
+        opt.step(tokens=tokens)
+
+
+# ---------------------------------------------------------------- 5. wrapper prefixes
+def test_ddp_compiled_and_plain_racks_train_one_model(tmp_path: Path) -> None:
+    """Three racks of one model, wrapped three ways, join one syncer and the deterministic
+    run equals the reference (names are canonical: no 'module.' or '_orig_mod.')."""
+    ids, steps = ["l0", "l1", "l2"], 3 * H
+    config = _config(P=2, tau=1, M=3)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrappers = {
+            "l0": lambda m: m,
+            "l1": lambda m: torch.compile(m, backend="eager"),
+            "l2": lambda m: nn.parallel.DistributedDataParallel(m),
+        }
+        raw = {lid: make_model() for lid in ids}
+        assert [t.name for f in pack_fragments(wrappers["l2"](make_model()), 2, H) for t in f.tensors] == \
+            [t.name for f in pack_fragments(make_model(), 2, H) for t in f.tensors]
+        models = {lid: wrappers[lid](raw[lid]) for lid in ids}
+        # Dynamo traces on the first call; tracing while other threads train is not
+        # thread-safe in torch, so trace here (a backward only fills .grad, which the
+        # training loop clears before its own backward: parameters stay untouched).
+        models["l1"](*batch("l1", 1)[:2]).backward()
+        hub = InProcessSyncer.for_model(config, make_model())
+
+        def rack(lid: str) -> None:
+            model = models[lid]
+            opt = RackmendOptimizer(model, make_inner(raw[lid]), config, hub.connect(), learner_id=lid)
+            train(opt, model, lid, range(1, steps + 1))
+            opt.close()
+
+        run_threads(rack, [(lid,) for lid in ids])
+        hub.close()
+    finally:
+        torch.distributed.destroy_process_group()
+    ref_models, ref_theta = reference_run(make_model, make_inner, batch, config, ids, steps)
+    assert_equal_to_reference(raw, hub, ref_models, ref_theta)
+
+
+def test_a_real_layout_mismatch_names_the_tensor_and_both_shapes() -> None:
+    config = _config(P=1, M=1)
+    hub = InProcessSyncer.for_model(config, make_model())
+    other = make_model()
+    other.head = nn.Linear(8, 5)
+    try:
+        with pytest.raises(TransportError, match=r"head\.weight.*\[5, 8\].*\[17, 8\]"):
+            RackmendOptimizer(other, make_inner(other), config, hub.connect(), learner_id="l0")
+    finally:
+        hub.close()
+
+
+# ---------------------------------------------------------------- 6. optimizer contract
+def test_hooks_schedulers_and_state_dict_hooks_work() -> None:
+    config = _config(P=1, M=1)
+    calls: list[str] = []
+    with InProcessSyncer.for_model(config, make_model()) as hub:
+        model = make_model()
+        opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+        opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(f"pre:{kwargs.get('tokens')}"))
+        opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        train(opt, model, "l0", range(1, 3))
+        sched.step()
+        assert opt.inner.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5)
+        assert calls[:2] == ["pre:" + str(batch("l0", 1)[2]), "post"]
+        sd = opt.state_dict()
+        assert sd["extra"] == 1 and "sd_pre" in calls
+        opt.load_state_dict(sd)
+        assert calls[-2:] == ["load_pre", "load_post"]
+        with pytest.raises(NotImplementedError, match="inner optimizer before"):
+            opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+        opt.close()
