@@ -531,6 +531,7 @@ class SyncerCore:
                 absent=sorted(expected - set(ids)),
                 stale=[c.learner_id for c in contribs if c.base_version < round_index],
                 weights=dict(zip(ids, normalized_weights(raw))),
+                tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
                 quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
                 wait_s=now - first,
                 grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,

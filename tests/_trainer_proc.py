@@ -1,0 +1,100 @@
+"""A rack that trains with the Hugging Face ``Trainer`` through rackmend (test helper).
+
+python tests/_trainer_proc.py --endpoint tcp://127.0.0.1:PORT --id l0 --steps 24 --out result.json
+
+A small random-init causal LM (GPT-2 with tied embeddings, or Llama) from a config; no
+download. ``RackmendOptimizer`` and an LR scheduler go in through ``optimizers=``; the
+Trainer calls ``step()`` without tokens, so ``LearnerConfig.tokens_per_step`` says what
+a step is worth. Writes the Trainer's log history and the final held-out loss as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+
+from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+
+
+class Progressions(Dataset):
+    """Sequences t_i = (a + b*i) mod VOCAB: learnable next-token structure, no files."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randint(0, VOCAB, (n, 1), generator=g)
+        b = torch.randint(1, 5, (n, 1), generator=g)
+        self.ids = (a + b * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                                      tie_word_embeddings=True)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def held_out_loss(model: torch.nn.Module) -> float:
+    data = Progressions(64, seed=999)
+    model.eval()
+    with torch.no_grad():
+        ids = data.ids
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--id", required=True)
+    p.add_argument("--learners", required=True)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    ids = tuple(a.learners.split(","))
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
+        syncer=SyncerConfig(min_quorum=len(ids), learners=ids),
+        learner=LearnerConfig(wait_timeout=60, tokens_per_step=BATCH * SEQ),
+        deterministic=True,
+    )
+    model = make_model(a.arch)
+    start_loss = held_out_loss(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = RackmendOptimizer(model, inner, config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.95**s)
+    args = transformers.TrainingArguments(
+        output_dir=str(a.out.parent / f"trainer-{a.id}"), max_steps=a.steps, per_device_train_batch_size=BATCH,
+        logging_steps=4, report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, seed=int(a.id.lstrip("l")))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Progressions(512, seed=int(a.id.lstrip("l"))),
+                                   optimizers=(opt, sched))
+    trainer.train()
+    opt.close()
+    a.out.write_text(json.dumps({
+        "log_history": trainer.state.log_history, "start_loss": start_loss, "end_loss": held_out_loss(model),
+        "versions": opt.versions, "step": opt.step_count, "lr": inner.param_groups[0]["lr"],
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
