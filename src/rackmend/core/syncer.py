@@ -260,7 +260,8 @@ class SyncerCore:
         return {lid for lid, m in self.members.items() if m.expected and m.connected}
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
-        """The current global value of every parameter, by name (shared; do not modify)."""
+        """The current global value of every synchronised tensor (parameters and floating
+        buffers), by canonical name (shared; do not modify)."""
         return {
             spec.name: t
             for frag, upd in zip(self.fragments, self.current)
