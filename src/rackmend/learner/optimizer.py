@@ -26,6 +26,7 @@ from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer"]
@@ -229,7 +230,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
-        updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.wait_timeout)
+        updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
+                                 settings=LearnerSettings.from_config(self.config))
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:

@@ -19,6 +19,7 @@ import torch
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -150,7 +151,13 @@ class InProcessLink(QueueLink):
         self.learner_id: str | None = None
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
-             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
+             settings: LearnerSettings) -> list[Update]:
+        # The same rules as the network syncer, so a script moved to ZmqLink meets no new refusal.
+        # H and P need no check here: the hub's layout comes from its own config's H and P.
+        mismatch = syncer_mismatch(learner_id, settings, self._hub.core.config)
+        if mismatch is not None:
+            raise TransportError(f"join of {learner_id}: {mismatch.reason}")
         if fingerprint(fragments) != fingerprint(self._hub.core.fragments):
             raise TransportError(f"join of {learner_id}: the learner's parameter layout differs from the syncer's")
         self.learner_id = learner_id
