@@ -340,9 +340,10 @@ class SyncerService:
         layout = self.core.fragments if self.core is not None else self._pending.layout if self._pending else None
         if mismatch is None and layout is not None and fingerprint(hello.layout) != fingerprint(layout):
             mismatch = Mismatch("layout", fingerprint(hello.layout), fingerprint(layout), (
-                f"parameter layout differs: learner {lid} has the same H and P but other parameters (names, "
-                "shapes, dtypes or ScheduleConfig.packing) than the model this syncer trains. Start it from "
-                "the same model definition and config, or start a fresh syncer (without --resume) for a new model"))
+                f"parameter layout differs: the parameters of learner {lid} (names, shapes, dtypes) or how they "
+                "are split (ScheduleConfig sync_every, num_fragments, packing) differ from the model this syncer "
+                "trains. Start it from the same model definition and config, or start a fresh syncer (without "
+                "--resume) for a new model"))
         if mismatch is not None:
             self._event("settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
                         learner_value=mismatch.learner_value, syncer_value=mismatch.other_value,
