@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--H", type=int, default=3)
     p.add_argument("--P", type=int, default=2)
-    p.add_argument("--tau", type=int, default=1)
+    p.add_argument("--tau", type=int, default=2, help="default: the syncer's default --overlap")
     p.add_argument("--learners", default="")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -65,7 +65,7 @@ def main() -> int:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),
         syncer=SyncerConfig(min_quorum=max(1, len(ids)) if a.deterministic else 1, learners=ids),
-        learner=LearnerConfig(wait_timeout=a.join_timeout),
+        learner=LearnerConfig(wait_timeout=a.join_timeout, join_timeout=a.join_timeout),
         compression=CompressionConfig(uplink=a.uplink_codec, downlink=a.downlink_codec),
         deterministic=a.deterministic,
     )

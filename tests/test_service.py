@@ -6,19 +6,26 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import msgpack
 import pytest
 import torch
+import zmq
 from safetensors.torch import load_file
 
 from rackmend import CompressionConfig, RackmendConfig, ScheduleConfig, SyncerConfig
 
-from rackmend.core.fragments import pack_fragments
+from rackmend.config import ConfigError
+from rackmend.core.fragments import fingerprint, layout_to_wire, pack_fragments
+from rackmend.service import ServiceConfig, SyncerService
+from rackmend.transport import wire
 
 from helpers import batch, make_inner, make_model
 from reference import reference_run
@@ -47,16 +54,19 @@ class Procs:
         self.tmp = tmp
         self.started: list[subprocess.Popen] = []
 
-    def start(self, cmd: list[str], name: str) -> subprocess.Popen:
+    def start(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.out", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.started.append(proc)
         return proc
 
-    def syncer(self, *flags: str, name: str = "syncer") -> tuple[subprocess.Popen, str]:
+    def syncer(self, *flags: str, name: str = "syncer",
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
         ready = self.tmp / f"{name}.endpoint"
         ready.unlink(missing_ok=True)
-        proc = self.start([*SYNCER, "--ready-file", str(ready), "--log", str(self.tmp / "events.jsonl"), *flags], name)
+        proc = self.start([*SYNCER, "--ready-file", str(ready), "--log", str(self.tmp / "events.jsonl"), *flags],
+                          name, env)
         wait_for(lambda: ready.exists() or proc.poll() is not None, 30, "the syncer to listen")
         assert proc.poll() is None, (self.tmp / f"{name}.out").read_text()
         return proc, ready.read_text()
@@ -280,3 +290,183 @@ def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) ->
     assert syncer.wait(15) == 0
     assert (ck / "syncer.safetensors").exists()
     assert [e for e in events(tmp_path) if e["event"] == "stopped"]
+
+
+# ---------------------------------------------------------------- "no silent wrongness"
+H_DEFAULT, P_DEFAULT = 3, 2  # _learner_proc.py's defaults
+
+
+def _settings(tau: int, *, H: int = H_DEFAULT, P: int = P_DEFAULT, deterministic: bool = False,
+              uplink: str = "none", downlink: str = "none") -> dict:
+    return {"sync_every": H, "num_fragments": P, "overlap": tau, "deterministic": deterministic,
+            "uplink": uplink, "downlink": downlink}
+
+
+def _hello(lid: str, settings: dict, *, H: int = H_DEFAULT, P: int = P_DEFAULT) -> list:
+    frags = pack_fragments(make_model(), P, H)
+    return wire.encode({"type": "hello", "learner": lid, "rank": 0, "world": 1, "layout": layout_to_wire(frags),
+                        "fingerprint": fingerprint(frags), "settings": settings})
+
+
+class Dealer:
+    """A raw learner socket for protocol-level tests; closed by the test that opened it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout: float) -> dict | None:
+        """The next header from the syncer within ``timeout`` seconds, or None."""
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return msgpack.unpackb(self.sock.recv_multipart()[0])
+
+    def recv_type(self, kind: str, timeout: float) -> dict | None:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            h = self.recv(left)
+            if h is not None and h["type"] == kind:
+                return h
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_join_without_a_syncer_says_what_it_waits_for_and_fails_clearly(procs: Procs) -> None:
+    """Trap 7: nothing listens at the endpoint. The learner logs (unconfigured logging
+    included) what it waits for, every few seconds, and fails naming what to check."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    lone = procs.learner(endpoint, "l0", "--steps", "3", "--join-timeout", "7")
+    assert lone.wait(90) != 0
+    out = procs.output("l0")
+    waiting = [line for line in out.splitlines() if "waiting for the syncer" in line]
+    assert waiting, f"no progress line while joining:\n{out[-3000:]}"
+    assert endpoint in waiting[0] and "l0" in waiting[0] and "5s" in waiting[0]
+    assert "join_timeout" in out and "rackmend syncer" in out and endpoint in out
+    assert time.monotonic() - t0 < 60
+
+
+def test_join_timeout_default_fits_a_person_at_a_terminal() -> None:
+    from rackmend.config import LearnerConfig
+
+    assert 30 <= LearnerConfig().join_timeout <= 180
+    assert LearnerConfig().wait_timeout == 600  # merges may legitimately be slow; joining should not
+    with pytest.raises(ConfigError, match="join_timeout"):
+        LearnerConfig(join_timeout=0)
+
+
+def test_first_learner_dying_mid_init_hands_seeding_to_the_next(procs: Procs, tmp_path: Path) -> None:
+    """Trap 8: the first learner says hello, gets init_request and dies before any init.
+    After --init-timeout the next learner seeds the model and trains to the end."""
+    # Through the environment: the option's RACKMEND_ name must reach the service too.
+    _, endpoint = procs.syncer("--overlap", "1", env={"RACKMEND_INIT_TIMEOUT": "4"})
+    ghost = Dealer(endpoint)
+    try:
+        ghost.send(_hello("ghost", _settings(1)))
+        assert ghost.recv_type("init_request", 20) is not None, "the first learner was not asked for init"
+    finally:
+        ghost.close()  # dies without sending init
+    learner = procs.learner(endpoint, "l0", "--steps", "12", "--tau", "1", "--join-timeout", "20")
+    finish(learner, procs, "l0", timeout=90)
+    ev = events(tmp_path)
+    kinds = [(e["event"], e.get("learner")) for e in ev]
+    assert ("init_request", "ghost") in kinds and ("init_timeout", "ghost") in kinds
+    assert ("init_request", "l0") in kinds and ("initialised", "l0") in kinds
+    assert kinds.index(("init_timeout", "ghost")) < kinds.index(("initialised", "l0"))
+    assert any(e["event"] == "merge" and "l0" in e["merged"] for e in ev)
+
+
+def test_init_request_passes_to_a_waiting_learner_after_init_timeout(tmp_path: Path) -> None:
+    """Trap 8, the hand-over itself: two learners wait, the seeder never sends init; the
+    other one is asked after init_timeout, and both steps are logged."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1))
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", init_timeout=0.5,
+                                              log_path=str(tmp_path / "events.jsonl")))
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    first, second = Dealer(svc.endpoint), Dealer(svc.endpoint)
+    try:
+        first.send(_hello("a", _settings(1)))
+        assert first.recv_type("init_request", 10) is not None
+        second.send(_hello("b", _settings(1)))
+        assert second.recv_type("init_request", 10) is not None, "seeding did not pass to the waiting learner"
+    finally:
+        first.close()
+        second.close()
+        svc.stop()
+        thread.join(20)
+    ev = events(tmp_path)
+    timeout = [e for e in ev if e["event"] == "init_timeout"]
+    assert timeout and timeout[0]["learner"] == "a" and timeout[0]["next"] == "b"
+    assert [e["learner"] for e in ev if e["event"] == "init_request"] == ["a", "b"]
+
+
+def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path: Path) -> None:
+    """Trap 11: a syncer for tau=2 refuses a tau=1 learner with a fatal error naming the
+    setting, both values and the fix; the learner exits non-zero saying so."""
+    _, endpoint = procs.syncer("--overlap", "2")
+    wrong = procs.learner(endpoint, "l0", "--steps", "6", "--tau", "1", "--join-timeout", "30")
+    assert wrong.wait(90) != 0, "a learner with tau=1 trained against a syncer with --overlap 2"
+    out = procs.output("l0")
+    assert "overlap" in out and "--overlap 1" in out, out[-3000:]
+    refused = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
+    assert refused and refused[0]["setting"] == "overlap" and refused[0]["learner"] == "l0"
+    assert (refused[0]["learner_value"], refused[0]["syncer_value"]) == (1, 2)
+
+
+def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tmp_path: Path) -> None:
+    """deterministic and the downlink codec must equal the syncer's; H and P must equal
+    the other learners'; another uplink codec is fine but logged once per learner."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1),
+                            compression=CompressionConfig(downlink="int8"))
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", log_path=str(tmp_path / "events.jsonl")))
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    socks: list[Dealer] = []
+
+    def hello(lid: str, settings: dict, **layout: int) -> dict | None:
+        d = Dealer(svc.endpoint)
+        socks.append(d)
+        d.send(_hello(lid, settings, **layout))
+        return d.recv_type("error", 3)
+
+    try:
+        seeder = Dealer(svc.endpoint)
+        socks.append(seeder)
+        seeder.send(_hello("seed", _settings(1, downlink="int8", uplink="int4")))
+        assert seeder.recv_type("init_request", 10) is not None
+        for p, spec in enumerate(pack_fragments(make_model(), 2, 3)):
+            seeder.send(wire.init_frames("seed", 0, p, [torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors]))
+        assert seeder.recv_type("update", 10) is not None
+        err = hello("det", _settings(1, downlink="int8", deterministic=True))
+        assert err and err["code"] == "fatal" and "deterministic" in err["reason"] and "--deterministic" in err["reason"]
+        err = hello("down", _settings(1, downlink="none"))
+        assert err and err["code"] == "fatal" and "downlink" in err["reason"] and "int8" in err["reason"]
+        err = hello("h4", _settings(1, H=4, downlink="int8"), H=4)
+        assert err and err["code"] == "fatal" and "sync_every" in err["reason"] and "4" in err["reason"]
+        err = hello("p1", _settings(1, P=1, downlink="int8"), P=1)
+        assert err and err["code"] == "fatal" and "num_fragments" in err["reason"]
+        assert hello("up", _settings(1, downlink="int8:block_size=256")) is None  # the same codec, spelt out
+    finally:
+        for d in socks:
+            d.close()
+        svc.stop()
+        thread.join(20)
+    ev = events(tmp_path)
+    refused = {e["learner"]: e["setting"] for e in ev if e["event"] == "settings_refused"}
+    assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments"}
+    uplink = [e for e in ev if e["event"] == "uplink_codec_differs"]
+    assert [(e["learner"], e["learner_codec"], e["syncer_codec"]) for e in uplink] == [("seed", "int4", "none")]
+    assert {e["learner"] for e in ev if e["event"] == "join"} == {"seed", "up"}

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,44 @@ def test_codec_options_reach_the_config(tmp_path: Path) -> None:
     assert build(resolve(parse(), {}))[0].compression.build_downlink().lossless  # default: none
     with pytest.raises(ConfigError, match="compression.downlink.*int9"):
         build(resolve(parse("--downlink-codec", "int9"), {}))
+
+
+def test_unknown_environment_names_are_warned_with_the_closest(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"RACKMEND_MIN_QUORM": "2", "RACKMEND_LEARNER_ID": "l0", "RACKMEND_CONNECT": "tcp://x:1",
+           "RACKMEND_OVERLAP": "1", "RACKMEND_ZZZZZZZZ": "1", "OTHER_MIN_QUORM": "2"}
+    with caplog.at_level(logging.WARNING, logger="rackmend.syncer"):
+        values = resolve(parse(), env)
+    assert values["min_quorum"] == 1 and values["overlap"] == 1
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "RACKMEND_MIN_QUORM" in text and "did you mean RACKMEND_MIN_QUORUM" in text, text
+    assert "RACKMEND_ZZZZZZZZ" in text
+    assert "RACKMEND_LEARNER_ID" not in text and "RACKMEND_CONNECT" not in text and "OTHER_" not in text
+    assert "RACKMEND_OVERLAP" not in text
+
+
+def test_syncer_start_warns_about_a_misspelt_environment_name(tmp_path: Path) -> None:
+    ready = tmp_path / "endpoint"
+    env = {**os.environ, "RACKMEND_OVERLAPP": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0",
+                             "--ready-file", str(ready)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not ready.exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ready.exists(), "the syncer did not start"
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate(timeout=10)
+    assert "RACKMEND_OVERLAPP" in out and "RACKMEND_OVERLAP" in out.replace("RACKMEND_OVERLAPP", ""), out
+
+
+def test_init_timeout_option_reaches_the_service() -> None:
+    _, service = build(resolve(parse("--init-timeout", "7.5"), {}))
+    assert service.init_timeout == 7.5
+    with pytest.raises(ConfigError, match="init_timeout"):
+        ServiceConfig(init_timeout=0)

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.codecs import make_codec
-from rackmend.core.fragments import layout_to_wire, pack_fragments
+from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
+from rackmend.core.settings import LearnerSettings
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
@@ -50,8 +51,7 @@ class Rig:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.svc.endpoint)
-        self.send(wire.encode({"type": "hello", "learner": "mallory", "rank": 0,
-                               "layout": layout_to_wire(self.frags)}))
+        self.send(wire.hello_frames("mallory", 0, 1, self.frags, LearnerSettings.from_config(CONFIG)))
         self.drain(2.0)
 
     def _healthy(self) -> None:

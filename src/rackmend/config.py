@@ -224,8 +224,16 @@ class LearnerConfig:
     ``token_units`` warning when it sees that). None: 1 per step, with a warning."""
 
     wait_timeout: float = 600.0
-    """Seconds a blocking wait (join, deterministic mode) may take before it fails with
-    an error instead of hanging. Raise it when one merge legitimately takes longer."""
+    """Seconds a blocking wait for a merged value (deterministic mode) may take before it
+    fails with an error instead of hanging. Raise it when one merge legitimately takes
+    longer."""
+
+    join_timeout: float = 120.0
+    """Seconds joining the syncer may take before it fails with an error naming the
+    endpoint and what to check; meanwhile the link logs what it waits for every few
+    seconds. Short enough for a person watching a terminal. Raise it when learners are
+    started well before the syncer, or when the first learner's initial upload over a
+    slow link takes longer (every learner waits for it)."""
 
     def validate(self) -> None:
         _one_of("apply", self.apply, APPLY_RULES)
@@ -233,6 +241,8 @@ class LearnerConfig:
         _check(self.wait_timeout > 0, f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
         _check(self.tokens_per_step is None or self.tokens_per_step > 0,
                f"tokens_per_step must be > 0 (tokens one step trains on) or None, got {self.tokens_per_step}")
+        _check(self.join_timeout > 0,
+               f"join_timeout must be > 0 seconds, got {self.join_timeout}; the default is 120")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -231,7 +231,7 @@ class ArmSpec:
 def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
     """The arms of the issue, all with the same learners, seeds and links."""
     ids = tuple(s.learner_ids)
-    lc = LearnerConfig(wait_timeout=60.0)
+    lc = LearnerConfig(wait_timeout=60.0, join_timeout=60.0)
     specs = {
         "data-parallel": ArmSpec(
             name="data-parallel",

@@ -33,6 +33,7 @@ from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import ConfigError, RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
@@ -339,7 +340,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
-        updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.wait_timeout)
+        updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
+                                 settings=LearnerSettings.from_config(self.config))
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:

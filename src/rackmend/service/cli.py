@@ -10,6 +10,7 @@ prints the same).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -31,6 +32,12 @@ from rackmend.config import (
 __all__ = ["OPTIONS", "add_syncer_arguments", "syncer_main", "add_keygen_arguments", "keygen_main"]
 
 ENV_PREFIX = "RACKMEND_"
+
+LEARNER_ENV = ("RACKMEND_LEARNER_ID", "RACKMEND_CONNECT")
+"""``RACKMEND_*`` names read on the learner side (``RackmendOptimizer``, ``ZmqLink.from_env``):
+valid in a shared environment, so the syncer does not warn about them."""
+
+log = logging.getLogger("rackmend.syncer")
 
 
 def _bool(v: Any) -> bool:
@@ -78,8 +85,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("heartbeat_timeout", float, 10.0, "seconds of silence before a learner rank counts as gone", "service"),
     Option("max_message_mb", float, 2048.0, "largest message accepted, in MiB", "service"),
     Option("log", str, None, "JSONL event log (merges, joins, rejections)", "service"),
+    Option("init_timeout", float, 60.0, "seconds the first learner may take per initial fragment before "
+           "another waiting learner is asked to seed the model", "service"),
     Option("ready_file", str, None, "write the bound endpoint here once listening (for scripts)", "run"),
-    Option("overlap", int, 2, "tau of the learners (used by the grace window); must match them", "schedule"),
+    Option("overlap", int, 2, "tau of the learners (used by the grace window); a learner with another "
+           "tau is refused", "schedule"),
     Option("min_quorum", int, 1, "K: fresh contributions a round needs", "syncer"),
     Option("learners", _ids, (), "expected learner ids, comma-separated (empty: whoever joins)", "syncer"),
     Option("grace_max", float, 2.0, "upper bound of the grace window, seconds", "syncer"),
@@ -95,8 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            "int4 or powersgd:rank=4); the syncer accepts any registered codec and logs it per merge",
            "compression"),
     Option("downlink_codec", str, "none", "codec of the syncer's updates (e.g. int8); joins and fetches stay "
-           "full precision", "compression"),
-    Option("deterministic", _bool, False, "bit-reproducible mode: rounds wait for the whole roster", "run"),
+           "full precision; learners must be configured with the same", "compression"),
+    Option("deterministic", _bool, False, "bit-reproducible mode: rounds wait for the whole roster; learners "
+           "must match", "run"),
 )
 
 
@@ -114,8 +125,11 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Option values: flag, else environment, else config file, else default."""
+    """Option values: flag, else environment, else config file, else default. Unknown
+    ``RACKMEND_*`` environment names are warned about (a misspelt one would be ignored)."""
     environ = dict(os.environ if environ is None else environ)
+    for warning in unknown_environment(environ):
+        log.warning("%s", warning)
     file_values: dict[str, Any] = {}
     if args.config is not None:
         file_values = tomllib.loads(args.config.read_text())
@@ -139,6 +153,20 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     return out
 
 
+def unknown_environment(environ: dict[str, str]) -> list[str]:
+    """A warning for each ``RACKMEND_*`` name that is neither an option nor a learner-side
+    name, with the closest valid name when one is close."""
+    valid = [ENV_PREFIX + o.name.upper() for o in OPTIONS] + list(LEARNER_ENV)
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]}?" if close else "`rackmend syncer --help` lists every option's name"
+        out.append(f"ignoring environment variable {name}: not a rackmend syncer option; {hint}")
+    return out
+
+
 def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
     from rackmend.service.syncer import ServiceConfig
 
@@ -157,7 +185,7 @@ def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
         allowed_keys_dir=values["allowed_keys"], checkpoint_dir=values["checkpoint_dir"],
         checkpoint_every=values["checkpoint_every"], resume=values["resume"],
         heartbeat_timeout=values["heartbeat_timeout"], max_message_bytes=int(values["max_message_mb"] * 2**20),
-        log_path=values["log"],
+        log_path=values["log"], init_timeout=values["init_timeout"],
     )
     return config, service
 

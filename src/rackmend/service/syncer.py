@@ -24,7 +24,8 @@ import torch
 import zmq
 
 from rackmend.config import ConfigError, RackmendConfig
-from rackmend.core.fragments import FragmentSpec, layout_difference, layout_from_wire, layout_to_wire
+from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
+from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -85,7 +86,17 @@ class ServiceConfig:
     log_path: str | None = None
     """JSONL file of every event (merges, joins, rejections); None: not written."""
 
+    init_timeout: float = 60.0
+    """Seconds a fresh syncer waits for the next initial value (``init``) from the
+    learner it asked to seed the model. Past it, that learner counts as gone and the
+    request passes to another waiting learner (events ``init_timeout``, then
+    ``init_request``); without one, the next learner to join is asked. Raise it when a
+    single fragment of the model takes longer than this to upload."""
+
     def validate(self) -> None:
+        if not self.init_timeout > 0:
+            raise ConfigError(f"init_timeout must be > 0 seconds, got {self.init_timeout}; the default is 60 "
+                              "(--init-timeout)")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1 merges, got {self.checkpoint_every}")
         if self.heartbeat_timeout <= 0:
@@ -150,6 +161,13 @@ class _Pending:
     """Layout offered by the first learner while its initial values are on the way."""
 
     layout: list[FragmentSpec]
+    seeder: bytes
+    """The connection asked for the initial values; only its ``init`` messages count
+    (values of two learners' different initialisations must never be mixed)."""
+    seeder_id: str
+    settings: LearnerSettings
+    asked_at: float
+    """When the seeder was asked, or last delivered a fragment."""
     values: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     waiting: list[tuple[bytes, Any]] = field(default_factory=list)
 
@@ -167,6 +185,9 @@ class SyncerService:
         self.rejected_messages = 0
         self.merges = 0
         self._pending: _Pending | None = None
+        self._first: tuple[str, LearnerSettings] | None = None
+        """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
+        self._uplink_noted: set[str] = set()
         self._stop = threading.Event()
         self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
         self._log_lock = threading.Lock()  # the authenticator's thread logs refusals too
@@ -218,6 +239,7 @@ class SyncerService:
                             break
                         self._on_message(frames)
                 self._check_silence()
+                self._check_init()
                 if self.core is not None:
                     self._drive(Tick())
                 for ident in [i for i, box in self._outboxes.items() if box]:
@@ -282,34 +304,23 @@ class SyncerService:
         self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message) -> None:
-        h = msg.header
-        try:
-            layout = layout_from_wire(h.get("layout"))
-        except ValueError as exc:
-            raise wire.WireError(str(exc)) from None
+        hello = wire.parse_hello(msg)
+        lid, rank, layout = hello.learner_id, hello.rank, hello.layout
+        if not self._settings_agree(ident, hello):
+            return
         if self.core is None:
             if self._pending is None:
-                self._pending = _Pending(layout)
-                self._event("init_request", learner=h["learner"], fragments=len(layout))
+                self._pending = _Pending(layout, ident, lid, hello.settings, self.clock())
+                self._event("init_request", learner=lid, fragments=len(layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
-            difference = layout_difference(self._pending.layout, layout)
-            if difference:
-                raise wire.WireError(f"learner {h['learner']}: layout differs from the first learner's: {difference}")
             self._pending.waiting = [(i, m) for i, m in self._pending.waiting if i != ident] + [(ident, msg)]
             return
-        difference = layout_difference(self.core.fragments, layout)
-        if difference:
-            reason = f"the learner's layout differs from the syncer's: {difference}"
-            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason": reason}))
-            raise wire.WireError(f"learner {h['learner']}: {reason}")
-        lid, rank = h["learner"], h["rank"]
-        world = h.get("world", 1)
-        if not isinstance(world, int) or isinstance(world, bool) or not 0 <= rank < world:
-            raise wire.WireError(f"hello: rank {rank} and world {world!r} do not fit (need 0 <= rank < world)")
+        if self._first is None:  # resumed from a checkpoint that predates recorded settings
+            self._first = (lid, hello.settings)
         for other, peer in list(self.peers.items()):
             if peer.learner_id == lid and peer.rank == rank and other != ident:
                 del self.peers[other]  # the same rank came back under a new connection
-        self.peers[ident] = peer = _Peer(lid, rank, world, self.clock())
+        self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock())
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
@@ -318,6 +329,60 @@ class SyncerService:
         for upd in self.core.current:
             if peer.owns(upd.fragment):
                 self._send_update(ident, upd, wire.update_frames(upd, reset=True), reset=True)
+
+    def _settings_agree(self, ident: bytes, hello: wire.Hello) -> bool:
+        """Refuse (``fatal``, logged) a learner whose settings or layout cannot work with
+        this run; note once per learner an uplink codec other than the syncer's."""
+        lid, s = hello.learner_id, hello.settings
+        mismatch = syncer_mismatch(lid, s, self.config)
+        first = self._first or ((self._pending.seeder_id, self._pending.settings) if self._pending else None)
+        if mismatch is None and first is not None:
+            mismatch = peer_mismatch(lid, s, *first)
+        layout = self.core.fragments if self.core is not None else self._pending.layout if self._pending else None
+        difference = layout_difference(layout, hello.layout) if mismatch is None and layout is not None else None
+        if difference is not None:
+            mismatch = Mismatch("layout", fingerprint(hello.layout), fingerprint(layout), (
+                f"parameter layout differs: learner {lid} has {difference}. Its tensors (names, shapes, dtypes) or "
+                "how they are split (ScheduleConfig sync_every, num_fragments, packing, sync_buffers) differ from "
+                "the model this syncer trains. Start it from the same model definition and config, or start a "
+                "fresh syncer (without --resume) for a new model"))
+        if mismatch is not None:
+            self._event("settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
+                        learner_value=mismatch.learner_value, syncer_value=mismatch.other_value,
+                        reason=mismatch.reason)
+            log.warning("refused learner %s: %s", lid, mismatch.reason)
+            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason": mismatch.reason}))
+            return False
+        syncer_uplink = self.config.compression.uplink
+        if lid not in self._uplink_noted and not same_codec(s.uplink, syncer_uplink):
+            # Allowed (each message names its codec), but worth a line: the two may be meant to agree.
+            self._uplink_noted.add(lid)
+            self._event("uplink_codec_differs", learner=lid, learner_codec=s.uplink, syncer_codec=syncer_uplink)
+            log.info("learner %s sends uplink codec %r; this syncer was started with --uplink-codec %r "
+                     "(accepted: messages name their codec)", lid, s.uplink, syncer_uplink)
+        return True
+
+    def _check_init(self) -> None:
+        """Pass the seeding role on when the seeder stopped delivering initial values:
+        otherwise a learner that died between hello and init blocks the syncer forever."""
+        pend = self._pending
+        if pend is None or self.clock() - pend.asked_at <= self.service.init_timeout:
+            return
+        others = [(i, m) for i, m in pend.waiting if i != pend.seeder]
+        nxt = others[0][1].header["learner"] if others else None
+        self._event("init_timeout", learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
+                    received=len(pend.values), next=nxt)
+        log.warning("learner %s sent no initial value for %.0fs (--init-timeout); %s", pend.seeder_id,
+                    self.clock() - pend.asked_at,
+                    f"asking {nxt} instead" if nxt else "the next learner to join will be asked")
+        if not others:
+            self._pending = None
+            return
+        ident, msg = others[0]
+        hello = wire.parse_hello(msg)
+        self._pending = _Pending(pend.layout, ident, hello.learner_id, hello.settings, self.clock(), waiting=others)
+        self._event("init_request", learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
+        self._send(ident, wire.encode({"type": "init_request"}))
 
     def _fetch(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
         """A learner lost a delta update: answer with the full current value (codec 0,
@@ -334,13 +399,14 @@ class SyncerService:
 
     def _init(self, ident: bytes, msg: wire.Message) -> None:
         pend = self._pending
-        if self.core is not None or pend is None:
-            return  # a late or unasked-for init: the syncer already has its state
+        if self.core is not None or pend is None or ident != pend.seeder:
+            return  # late, unasked-for, or from a seeder replaced after init_timeout
         p = msg.header.get("fragment")
         if not isinstance(p, int) or not 0 <= p < len(pend.layout):
             raise wire.WireError(f"init for unknown fragment {p!r}")
         tensors = wire.parse_tensors(msg, pend.layout[p])
         pend.values[p] = tuple(t.clone() for t in tensors)
+        pend.asked_at = self.clock()  # progress: a slow upload of a large model is not a dead seeder
         if len(pend.values) == len(pend.layout):
             try:
                 self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))])
@@ -350,6 +416,7 @@ class SyncerService:
                     self._send(waiting_ident, wire.encode({"type": "error", "code": "fatal", "reason": str(exc)}))
                 raise wire.WireError(f"cannot start on this model: {exc}") from None
             self._event("initialised", learner=msg.header["learner"])
+            self._first = (pend.seeder_id, pend.settings)
             self._pending = None
             for waiting_ident, hello in pend.waiting:
                 self._hello(waiting_ident, hello)
@@ -437,6 +504,8 @@ class SyncerService:
         tensors, meta = self.core.state_dict()
         meta = {**meta, "layout": layout_to_wire(self.core.fragments), "merges": self.merges,
                 "rejected_messages": self.rejected_messages}
+        if self._first is not None:
+            meta["first_learner"] = {"learner": self._first[0], "settings": self._first[1].to_wire()}
         path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
         self._event("checkpoint", path=str(path), versions=list(self.core.versions))
         return path
@@ -452,6 +521,9 @@ class SyncerService:
         assert self.core is not None
         self.core.load_state_dict(tensors, meta)
         self.merges = int(meta.get("merges", 0))
+        first = meta.get("first_learner")
+        if first is not None:
+            self._first = (first["learner"], LearnerSettings(**first["settings"]))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
         self._event("resumed", versions=list(self.core.versions))
 

@@ -14,6 +14,7 @@ import torch
 
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
 
 __all__ = ["LearnerLink", "TransportError", "QueueLink"]
 
@@ -32,10 +33,14 @@ class LearnerLink(Protocol):
         fragments: Sequence[FragmentSpec],
         initial: Sequence[Sequence[torch.Tensor]],
         timeout: float,
+        *,
+        settings: LearnerSettings,
     ) -> list[Update]:
         """Announce ``learner_id`` with its parameter layout; return the current value
         of every fragment. ``initial`` (the learner's own values) seeds a syncer that
-        has no state yet."""
+        has no state yet. ``settings`` are checked against the syncer's and the other
+        learners' (``rackmend.core.settings``); a mismatch raises ``TransportError``
+        naming the setting."""
         ...
 
     def send(self, contribution: Contribution) -> None:

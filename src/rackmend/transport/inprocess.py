@@ -20,6 +20,7 @@ import torch
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -159,7 +160,13 @@ class InProcessLink(QueueLink):
         """An in-process link carries a single-process learner (all its fragments)."""
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
-             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
+             settings: LearnerSettings) -> list[Update]:
+        # The same rules as the network syncer, so a script moved to ZmqLink meets no new refusal.
+        # H and P need no check here: the hub's layout comes from its own config's H and P.
+        mismatch = syncer_mismatch(learner_id, settings, self._hub.core.config)
+        if mismatch is not None:
+            raise TransportError(f"join of {learner_id}: {mismatch.reason}")
         difference = layout_difference(self._hub.core.fragments, fragments)
         if difference:
             raise TransportError(f"join of {learner_id}: the learner's layout differs from the syncer's: {difference}")

@@ -20,9 +20,11 @@ import torch
 
 from rackmend.codecs.base import CodecError, Encoded
 from rackmend.codecs.registry import CODECS, codec_by_id
-from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
+from rackmend.codecs.registry import parse_codec_spec
+from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
 from rackmend.core.fragments import dtype_name
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -35,6 +37,9 @@ __all__ = [
     "contribution_frames",
     "update_frames",
     "init_frames",
+    "hello_frames",
+    "Hello",
+    "parse_hello",
     "ack_frames",
     "parse_ack",
     "fetch_frames",
@@ -148,6 +153,14 @@ def fetch_frames(learner_id: str, rank: int, fragment: int) -> list[Any]:
     return encode({"type": "fetch", "learner": learner_id, "rank": rank, "fragment": fragment})
 
 
+def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
+                 settings: LearnerSettings) -> list[Any]:
+    """Announce a learner rank: its layout and the settings the syncer checks."""
+    return encode({"type": "hello", "learner": learner_id, "rank": rank, "world": world,
+                   "layout": layout_to_wire(fragments), "fingerprint": fingerprint(fragments),
+                   "settings": settings.to_wire()})
+
+
 def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor]) -> list[Any]:
     return encode({"type": "init", "learner": learner_id, "rank": rank, "fragment": fragment,
                    "codec": CODEC_NONE, "tensors": _tensor_meta(tensors)}, tensors)
@@ -195,6 +208,65 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
         _field(header, "rank", int, minimum=0)
     return Message(kind, header, views[1:])
+
+
+_MAX_CODEC_SPEC = 200
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A checked ``hello``: layout, ranks of the learner and its settings."""
+
+    learner_id: str
+    rank: int
+    world: int
+    layout: list[FragmentSpec]
+    settings: LearnerSettings
+
+
+def parse_hello(msg: Message) -> Hello:
+    """Every field of a ``hello``; the settings must be complete and self-consistent."""
+    h = msg.header
+    try:
+        layout = layout_from_wire(h.get("layout"))
+    except ValueError as exc:
+        raise WireError(f"hello: {exc}") from None
+    fp = _field(h, "fingerprint", str)
+    if fp != fingerprint(layout):
+        raise WireError("hello: fingerprint does not match the layout it came with")
+    rank = _field(h, "rank", int, minimum=0)
+    world = _field(h, "world", int, minimum=1)
+    if rank >= world:
+        raise WireError(f"hello: rank {rank} and world {world} do not fit (need 0 <= rank < world)")
+    if "settings" not in h:
+        raise WireError("hello lacks field 'settings' (sync_every, num_fragments, overlap, deterministic, "
+                        "uplink, downlink): the learner runs an older rackmend; upgrade it")
+    raw = _field(h, "settings", dict)
+    expected = set(LearnerSettings.__dataclass_fields__)
+    if set(raw) != expected:
+        raise WireError(f"hello: settings must have exactly the keys {sorted(expected)}, "
+                        f"got {sorted(str(k)[:40] for k in raw)[:10]}")
+    values: dict[str, Any] = {
+        "sync_every": _field(raw, "sync_every", int, minimum=1),
+        "num_fragments": _field(raw, "num_fragments", int, minimum=1),
+        "overlap": _field(raw, "overlap", int, minimum=0),
+        "deterministic": _field(raw, "deterministic", bool),
+    }
+    if values["overlap"] >= values["sync_every"]:
+        raise WireError(f"hello: overlap {values['overlap']} must be smaller than sync_every {values['sync_every']}")
+    if values["num_fragments"] != len(layout):
+        raise WireError(f"hello: settings say num_fragments={values['num_fragments']}, the layout has "
+                        f"{len(layout)} fragments")
+    for name in ("uplink", "downlink"):
+        spec = _field(raw, name, str)
+        if len(spec) > _MAX_CODEC_SPEC:
+            raise WireError(f"hello: settings.{name} is longer than {_MAX_CODEC_SPEC} characters")
+        try:
+            parse_codec_spec(spec)
+        except CodecError as exc:
+            raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
+        values[name] = spec
+    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values))
 
 
 def parse_tensors(msg: Message, spec: FragmentSpec) -> tuple[torch.Tensor, ...]:

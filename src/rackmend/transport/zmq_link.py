@@ -29,8 +29,9 @@ from typing import Any, Sequence
 import torch
 import zmq
 
-from rackmend.core.fragments import FragmentSpec, fingerprint, layout_to_wire
+from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
 from rackmend.transport.outbox import SHORT_HWM, Outbox
@@ -86,6 +87,7 @@ class ZmqLink(QueueLink):
         curve: CurveClientKeys | None = None,
         max_message_bytes: int = 1 << 31,
         leave_timeout_s: float = 3.0,
+        join_progress_s: float = 5.0,
     ) -> None:
         super().__init__(lambda: self._error)
         self.endpoint = endpoint
@@ -103,6 +105,10 @@ class ZmqLink(QueueLink):
         self.max_message_bytes = max_message_bytes
         self.leave_timeout_s = leave_timeout_s
         """How long ``leave`` waits for the syncer's ``bye`` before the link closes anyway."""
+        self.join_progress_s = join_progress_s
+        """While ``join`` waits, a warning on logger ``rackmend.link`` every this many
+        seconds says what it waits for (a silent wait looks like a hang)."""
+        self._init_requested = False
         self._bye = threading.Event()
         self._leaving = False
         self._hello_at = -math.inf
@@ -141,28 +147,47 @@ class ZmqLink(QueueLink):
 
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
-             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
+             settings: LearnerSettings) -> list[Update]:
         self.learner_id = learner_id
         self._fragments = list(fragments)
         self._initial = [[t.detach().cpu().clone() for t in ts] for ts in initial]
-        self._hello = wire.encode({
-            "type": "hello", "learner": learner_id, "rank": self.rank, "world": self.world_size,
-            "layout": layout_to_wire(fragments),
-            "fingerprint": fingerprint(fragments),
-        })
+        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings)
         self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
         self._thread.start()
         got: dict[int, Update] = {}
-        end = time.monotonic() + timeout
+        start = time.monotonic()
+        end = start + timeout
+        next_note = start + self.join_progress_s
         owned = sum(1 for p in range(len(fragments)) if p % self.world_size == self.rank)
+        log.info("%s (rank %d) joining the syncer at %s", learner_id, self.rank, self.endpoint)
         while len(got) < owned:
-            upd = self._get(end)
-            if upd is None:
+            upd = self._get(min(end, next_note))
+            if upd is not None:
+                got[upd.fragment] = upd
+                continue
+            now = time.monotonic()
+            if now >= end:
                 raise TransportError(
-                    f"join of {learner_id}: no answer from the syncer at {self.endpoint} within {timeout}s "
-                    "(is `rackmend syncer` running there, and are the keys right?)")
-            got[upd.fragment] = upd
+                    f"join of {learner_id}: no answer from the syncer at {self.endpoint} within {timeout:g}s "
+                    f"({self._join_state(got, owned)}). Check that `rackmend syncer` is running and listening "
+                    "there (it prints 'listening on ...'), that this host can reach that port, and that the "
+                    "Curve keys match (the syncer logs refused keys as auth_denied). To wait longer, raise "
+                    "LearnerConfig.join_timeout (the timeout RackmendOptimizer joins with)")
+            log.warning("%s (rank %d) waiting for the syncer at %s: %.0fs of %gs, %s", learner_id, self.rank,
+                        self.endpoint, now - start, timeout, self._join_state(got, owned))
+            next_note = now + self.join_progress_s
         return list(got.values())
+
+    def _join_state(self, got: dict[int, Update], owned: int) -> str:
+        """What a waiting join has heard so far, for a person reading the log."""
+        if self._init_requested:
+            return (f"sent the initial values as the first learner; {len(got)} of {owned} fragments "
+                    "came back so far")
+        if self.bytes_received == 0:
+            return "nothing received yet"
+        return (f"the syncer answers but sent {len(got)} of {owned} fragments (it may wait for the first "
+                "learner's initial values)")
 
     def send(self, contribution: Contribution) -> None:
         frames = wire.contribution_frames(contribution, self.rank)
@@ -282,6 +307,7 @@ class ZmqLink(QueueLink):
                 self._send(dealer, wire.ack_frames(p, self.learner_id, self.rank))
                 self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
+                self._init_requested = True
                 for p, values in enumerate(self._initial):
                     self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
             elif msg.type == "bye":

@@ -1,0 +1,103 @@
+"""The settings a learner reports when it joins, and the rules for which must agree.
+
+A learner and the syncer that disagree on tau, on deterministic mode or on the
+downlink codec still exchange well-formed messages, so nothing would fail: rounds
+would just be timed or applied wrongly. Learners therefore state these settings at
+``hello`` and the syncer refuses a mismatch by name. H and P decide when each fragment
+is sent; the syncer has no value of its own for them, so every learner must use the
+one the first learner used. The uplink codec may differ: each message names its codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rackmend.codecs.base import CodecError
+from rackmend.codecs.registry import parse_codec_spec
+from rackmend.config import RackmendConfig
+
+__all__ = ["LearnerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch", "same_codec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerSettings:
+    """What a learner reports at hello (``RackmendConfig`` values)."""
+
+    sync_every: int
+    """H of ``ScheduleConfig``."""
+    num_fragments: int
+    """P of ``ScheduleConfig``."""
+    overlap: int
+    """tau of ``ScheduleConfig``."""
+    deterministic: bool
+    """``RackmendConfig.deterministic``."""
+    uplink: str
+    """``CompressionConfig.uplink`` spec string."""
+    downlink: str
+    """``CompressionConfig.downlink`` spec string."""
+
+    @classmethod
+    def from_config(cls, config: RackmendConfig) -> "LearnerSettings":
+        sch, comp = config.schedule, config.compression
+        return cls(sync_every=sch.sync_every, num_fragments=sch.num_fragments, overlap=sch.overlap,
+                   deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "num_fragments": self.num_fragments, "overlap": self.overlap,
+                "deterministic": self.deterministic, "uplink": self.uplink, "downlink": self.downlink}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A setting that differs: its name, both values and a message saying what to change."""
+
+    setting: str
+    learner_value: Any
+    other_value: Any
+    reason: str
+
+
+def same_codec(a: str, b: str) -> bool:
+    """Whether two codec specs build the same codec (``int8`` equals ``int8:block_size=64``)."""
+    try:
+        return parse_codec_spec(a) == parse_codec_spec(b)
+    except CodecError:
+        return a == b
+
+
+def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RackmendConfig) -> Mismatch | None:
+    """The first setting in which learner ``learner_id`` disagrees with the syncer's ``config``."""
+    tau = config.schedule.overlap
+    if s.overlap != tau:
+        return Mismatch("overlap", s.overlap, tau, (
+            f"overlap (tau) differs: learner {learner_id} has overlap={s.overlap}, the syncer has {tau} "
+            f"(its grace window waits for stragglers only inside tau steps of slack). Start the syncer with "
+            f"--overlap {s.overlap}, or set ScheduleConfig(overlap={tau}) on the learner"))
+    det = config.deterministic
+    if s.deterministic != det:
+        fix = "with --deterministic" if s.deterministic else "without --deterministic"
+        return Mismatch("deterministic", s.deterministic, det, (
+            f"deterministic differs: learner {learner_id} has deterministic={s.deterministic}, the syncer "
+            f"{det} (a deterministic learner blocks on every merge; a deterministic syncer waits for the "
+            f"whole roster). Start the syncer {fix}, or set RackmendConfig(deterministic={det}) on the learner"))
+    down = config.compression.downlink
+    if not same_codec(s.downlink, down):
+        return Mismatch("downlink", s.downlink, down, (
+            f"downlink codec differs: learner {learner_id} has compression.downlink={s.downlink!r}, the syncer "
+            f"sends {down!r}. Start the syncer with --downlink-codec {s.downlink}, or set "
+            f"CompressionConfig(downlink={down!r}) on the learner"))
+    return None
+
+
+def peer_mismatch(learner_id: str, s: LearnerSettings, first_id: str, first: LearnerSettings) -> Mismatch | None:
+    """H or P of learner ``learner_id`` unlike those of ``first_id``, whose values the run uses."""
+    for name, field, letter in (("sync_every", "sync_every", "H"), ("num_fragments", "num_fragments", "P")):
+        mine, theirs = getattr(s, field), getattr(first, field)
+        if mine != theirs:
+            return Mismatch(name, mine, theirs, (
+                f"{name} ({letter}) differs: learner {learner_id} has {name}={mine}, but the run uses {theirs} "
+                f"(set by learner {first_id}, the first to join); every learner must use the same value. Set "
+                f"ScheduleConfig({name}={theirs}) on {learner_id}, or restart the syncer without "
+                f"--resume and every learner with {name}={mine}"))
+    return None
