@@ -37,6 +37,9 @@ class Contribution:
     encoded: tuple[Encoded, ...] | None = None
     """The same deltas as encoded by a lossy uplink codec (what a network transport
     ships); None when they travel uncompressed."""
+    merge_gain: float | None = None
+    """(before - after) / before of the learner's probe loss around applying this
+    fragment's previous merged value (positive: the merge helped); None when not measured."""
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,11 @@ __all__ = [
     "Ema",
     "WARNING_EVENTS",
     "TOKEN_UNITS_RATIO",
+    "HARMFUL_STREAK",
+    "HARMFUL_LOSS",
 ]
 
-WARNING_EVENTS = frozenset({"token_units"})
+WARNING_EVENTS = frozenset({"token_units", "merge_harmful"})
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
 
 TOKEN_UNITS_RATIO = 10.0
@@ -127,6 +129,16 @@ class LogRecord:
 Action = Union[SendUpdate, LogRecord]
 
 
+HARMFUL_STREAK = 3
+"""Consecutive merges of a fragment whose median reported merge gain is below
+``-HARMFUL_LOSS`` before a ``merge_harmful`` warning: one probe batch is noisy, a
+streak is not."""
+
+HARMFUL_LOSS = 0.05
+"""A merge that makes the probe loss more than 5 % worse counts as harmful. Overwriting
+drops the tau local steps made since the send, so small negative gains are normal."""
+
+
 def _finite(t: torch.Tensor) -> bool:
     """All elements finite. A finite sum proves it (any NaN/Inf poisons the sum) with a
     read-only reduction; only a non-finite sum (or an overflow) needs the exact check."""
@@ -195,6 +207,10 @@ class SyncerCore:
         self.tokens_per_step: dict[str, float] = {}
         """Per learner, tokens per step of its latest contribution (for ``token_units``)."""
         self._units_warned: set[str] = set()
+        self.merge_gain: list[float | None] = [None] * len(self.fragments)
+        """Per fragment, the median merge gain the learners reported in its last merge
+        (their probe loss before minus after applying the previous value)."""
+        self._harmful_streak = [0] * len(self.fragments)
         downlink = config.compression.build_downlink()
         self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
@@ -489,6 +505,7 @@ class SyncerCore:
         ids = sorted(rnd.pending)
         contribs = [rnd.pending[i] for i in ids]
         raw = [contribution_weight(sc.weighting, c.c_tokens, c.c_steps) for c in contribs]
+        gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
         spec = self.fragments[p]
         merged = merge_deltas(
             [self._anchored(p, c) for c in contribs],
@@ -533,6 +550,7 @@ class SyncerCore:
                 stale=[c.learner_id for c in contribs if c.base_version < round_index],
                 weights=dict(zip(ids, normalized_weights(raw))),
                 tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
+                gains=gains,
                 quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
                 wait_s=now - first,
                 grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,
@@ -543,3 +561,19 @@ class SyncerCore:
             )
         )
         self.rounds[p] = _Round()
+        self._watch_gains(p, gains, now, actions)
+
+    def _watch_gains(self, p: int, gains: dict[str, float], now: float, actions: list[Action]) -> None:
+        """Warn when applying this fragment's merges keeps making the learners' models
+        worse (a harmful outer step: e.g. an outer learning rate or momentum too high)."""
+        if not gains:
+            return
+        values = sorted(gains.values())
+        self.merge_gain[p] = median = values[len(values) // 2]
+        self._harmful_streak[p] = self._harmful_streak[p] + 1 if median < -HARMFUL_LOSS else 0
+        if self._harmful_streak[p] == HARMFUL_STREAK:
+            actions.append(self._log(
+                now, "merge_harmful", fragment=p, streak=HARMFUL_STREAK, median_gain=median,
+                reason=(f"fragment {p}: the last {HARMFUL_STREAK} merged values each made the learners' probe "
+                        f"loss more than {HARMFUL_LOSS:.0%} worse (median gain {median:+.1%}); the outer step is "
+                        "probably too large: lower outer_lr or the outer momentum (docs/tuning.md)")))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -52,6 +53,9 @@ class DemoSettings:
     """Held-out evaluations during the run (plus one at the start and one at the end)."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """Shape of the GPT."""
+    step_delay: Callable[[int, int], float] | None = None
+    """Seconds learner ``idx`` sleeps after its step ``t`` (``step_delay(idx, t)``), to
+    emulate slow or jittery racks (benchmarks/quality.py). None: no sleep."""
 
     def __post_init__(self) -> None:
         for name in ("learners", "steps", "batch_size", "evals"):
@@ -134,6 +138,8 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
                 loss.backward()
                 opt.step(tokens=tokens_per_step)
                 compute[lid] += time.perf_counter() - t0 - (opt.blocked_seconds - b0)
+                if s.step_delay is not None:
+                    time.sleep(s.step_delay(idx, t))
                 with lock:
                     done_steps[lid] = t
                     if progress is not None:

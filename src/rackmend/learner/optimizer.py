@@ -20,6 +20,7 @@ The transport is whatever ``LearnerLink`` is passed in; nothing here knows socke
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -69,6 +70,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
     (``ZmqLink(endpoint)`` takes them from ``torch.distributed`` itself).
     On construction the learner joins through ``link`` and loads the syncer's current
     values into ``model``.
+
+    ``probe_loss``: a callable returning the model's loss on a fixed small held-out
+    batch. When given, it runs (under ``torch.no_grad``) just before and just after each
+    merged value is applied; ``(before - after) / before`` is that merge's *gain*
+    (negative: the merge made this learner's model worse; -0.05: 5 % worse). The latest gain per fragment is in
+    ``merge_gains``, and rides to the syncer with the fragment's next contribution,
+    where it shows in the merge log (docs/tuning.md). Costs two forward passes of the
+    probe batch per applied merge.
     """
 
     def __init__(
@@ -82,6 +91,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         fragments: list[FragmentSpec] | None = None,
         process_group: Any = None,
         count_tokens: Callable[[], float] | None = None,
+        probe_loss: Callable[[], float] | None = None,
     ) -> None:
         # Deliberately no Optimizer.__init__ (it would build param_groups and state of its
         # own): those are the inner optimizer's, as in torch's PostLocalSGDOptimizer. The
@@ -103,6 +113,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                              "keep it the same across restarts so the syncer knows the learner")
         self.learner_id = learner_id
         self.count_tokens = count_tokens
+        self.probe_loss = probe_loss
         self._warned_tokens = False
         # Inside a multi-rank learner (torchrun), rank r owns fragments p = r mod world:
         # only it sends them and talks to the syncer about them; merged values reach the
@@ -150,6 +161,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
             "uplink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
         self._pinned: dict[int, list[torch.Tensor]] = {}
+        self.merge_gains: list[float | None] = [None] * n
+        """Per fragment, the relative probe-loss change (before - after) / before of the
+        last merged value applied; None until measured."""
+        self._gain_to_report: dict[int, float] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
         self._join()
@@ -492,6 +507,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             step_time=self.c_time[p] / steps if steps else 0.0,
             tensors=delta,
             encoded=encoded,
+            merge_gain=self._gain_to_report.pop(p, None),
         )
         self.link.send(contribution)
         self.bytes_sent += nbytes
@@ -504,6 +520,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _apply(self, p: int, upd: Update, pend: _Pending) -> None:
         rule = self.config.learner.apply
+        before = float(self.probe_loss()) if self.probe_loss is not None else None
         for i, (param, value) in enumerate(zip(self._params[p], upd.tensors)):
             value = value.to(param.device, non_blocking=True)
             if rule == "overwrite":
@@ -525,6 +542,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.c_time[p] -= c
         else:
             self.c_steps[p], self.c_tokens[p], self.c_time[p] = 0, 0.0, 0.0
+        if before is not None:
+            assert self.probe_loss is not None
+            # Relative, so one threshold fits every model's loss scale.
+            gain = (before - float(self.probe_loss())) / abs(before) if before else 0.0
+            self.merge_gains[p] = gain
+            if math.isfinite(gain):  # a non-finite probe is the user's to see, not the syncer's
+                self._gain_to_report[p] = gain
         if self.on_apply is not None:
             self.on_apply(p, upd)
 

@@ -117,6 +117,7 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
         "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
         "step_time": float(c.step_time), **fields,
+        **({} if c.merge_gain is None else {"merge_gain": float(c.merge_gain)}),
     }, frames)
 
 
@@ -354,5 +355,7 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
         c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
         step_time=float(_field(h, "step_time", (int, float), minimum=0)),
     )
+    gain = float(_field(h, "merge_gain", (int, float))) if "merge_gain" in h else None
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
-    return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, **counters)
+    return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
+                        **counters)
