@@ -249,7 +249,8 @@ def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
                         "quorum = all, Nesterov outer step (P=1, tau=0)",
             config=RackmendConfig(
                 schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=1, overlap=0),
-                syncer=SyncerConfig(min_quorum=s.learners, learners=ids, weighting="uniform"),
+                syncer=SyncerConfig(min_quorum=s.learners, learners=ids, weighting="uniform", outer_lr=0.7,
+                                    outer_kwargs={"momentum": 0.9, "nesterov": True}),  # DiLoCo's own
                 learner=lc, deterministic=True),
             checkpoint_every=1,
         ),
