@@ -28,6 +28,7 @@ from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire,
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
+    FinalMerge,
     LearnerJoined,
     LearnerLeft,
     LogRecord,
@@ -475,6 +476,12 @@ class SyncerService:
 
     def _shutdown(self) -> None:
         try:
+            if self.core is not None:
+                # Before the checkpoint, so contributions that were sent (and acknowledged)
+                # are in the saved value rather than dropped with the process.
+                self._drive(FinalMerge())
+                for ident in [i for i, box in self._outboxes.items() if box]:
+                    self._flush(ident)
             self.checkpoint()
         finally:
             self._event("stopped", merges=self.merges)
