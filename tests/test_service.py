@@ -280,3 +280,30 @@ def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) ->
     assert syncer.wait(15) == 0
     assert (ck / "syncer.safetensors").exists()
     assert [e for e in events(tmp_path) if e["event"] == "stopped"]
+
+
+def test_work_sent_before_a_graceful_leave_is_merged(procs: Procs, tmp_path: Path) -> None:
+    """Roster l0,l1 with K=2 and only l0 running: no round ever reaches quorum. l0 sends
+    and leaves; its last contribution is merged at the leave and is in the syncer's
+    value. Outer SGD lr 1 without momentum makes that value l0's model at its send."""
+    ck = tmp_path / "ck"
+    H, steps = 3, 6  # the last step is a send: l0's final model is what it last sent
+    syncer, endpoint = procs.syncer("--min-quorum", "2", "--learners", "l0,l1", "--grace-max", "30",
+                                    "--overlap", "0", "--outer-lr", "1", "--outer-kwargs", "{}",
+                                    "--checkpoint-dir", str(ck))
+    l0 = procs.learner(endpoint, "l0", "--steps", str(steps), "--H", str(H), "--P", "1", "--tau", "0",
+                       "--out", str(tmp_path / "l0.safetensors"))
+    finish(l0, procs, "l0")
+    wait_for(lambda: any(e["event"] == "merge" for e in events(tmp_path)), 30, "a merge after l0's leave", (syncer,))
+    (merge,) = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert merge["merged"] == ["l0"] and merge["cause"] == "leave"
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    theta = load_file(str(ck / "syncer.safetensors"))
+    final = load_file(str(tmp_path / "l0.safetensors"))
+    init = make_model()
+    (frag,) = pack_fragments(init, 1, H, ScheduleConfig().packing)
+    initial = dict(init.named_parameters())
+    for i, name in enumerate(frag.names):
+        assert not torch.equal(final[name], initial[name].detach()), "vacuous: l0 did not move"
+        assert torch.allclose(theta[f"theta/0/{i}"], final[name], rtol=0, atol=1e-6), f"{name}: l0's work is missing"
