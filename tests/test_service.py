@@ -20,14 +20,15 @@ import torch
 import zmq
 from safetensors.torch import load_file
 
-from rackmend import CompressionConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import fingerprint, layout_to_wire, pack_fragments
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport import wire
+from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model
+from helpers import batch, make_inner, make_model, serving, train
 from reference import reference_run
 
 HERE = Path(__file__).parent
@@ -470,3 +471,60 @@ def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tm
     uplink = [e for e in ev if e["event"] == "uplink_codec_differs"]
     assert [(e["learner"], e["learner_codec"], e["syncer_codec"]) for e in uplink] == [("seed", "int4", "none")]
     assert {e["learner"] for e in ev if e["event"] == "join"} == {"seed", "up"}
+
+
+def test_work_sent_before_a_graceful_leave_is_merged(procs: Procs, tmp_path: Path) -> None:
+    """Roster l0,l1 with K=2 and only l0 running: no round ever reaches quorum. l0 sends
+    and leaves; its last contribution is merged at the leave and is in the syncer's
+    value. Outer SGD lr 1 without momentum makes that value l0's model at its send."""
+    ck = tmp_path / "ck"
+    H, steps = 3, 6  # the last step is a send: l0's final model is what it last sent
+    syncer, endpoint = procs.syncer("--min-quorum", "2", "--learners", "l0,l1", "--grace-max", "30",
+                                    "--overlap", "0", "--outer-lr", "1", "--outer-kwargs", "{}",
+                                    "--checkpoint-dir", str(ck))
+    l0 = procs.learner(endpoint, "l0", "--steps", str(steps), "--H", str(H), "--P", "1", "--tau", "0",
+                       "--out", str(tmp_path / "l0.safetensors"))
+    finish(l0, procs, "l0")
+    wait_for(lambda: any(e["event"] == "merge" for e in events(tmp_path)), 30, "a merge after l0's leave", (syncer,))
+    (merge,) = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert merge["merged"] == ["l0"] and merge["cause"] == "leave"
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    theta = load_file(str(ck / "syncer.safetensors"))
+    final = load_file(str(tmp_path / "l0.safetensors"))
+    init = make_model()
+    (frag,) = pack_fragments(init, 1, H, ScheduleConfig().packing)
+    initial = dict(init.named_parameters())
+    for i, name in enumerate(frag.names):
+        assert not torch.equal(final[name], initial[name].detach()), "vacuous: l0 did not move"
+        assert torch.allclose(theta[f"theta/0/{i}"], final[name], rtol=0, atol=1e-6), f"{name}: l0's work is missing"
+
+
+def test_graceful_stop_merges_pending_work_before_its_checkpoint(tmp_path: Path) -> None:
+    """A learner's send waits for a quorum (K=2) that never comes and the learner has
+    not left; the service's graceful stop merges it and checkpoints the result."""
+    H = 3
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=1, overlap=1),
+                            syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1"), grace_max=30.0,
+                                                outer_lr=1.0, outer_kwargs={}))
+    svc, records, server = serving(config, checkpoint_dir=str(tmp_path / "ck"))
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(svc.endpoint, leave_timeout_s=1.0),
+                            learner_id="l0")
+    try:
+        train(opt, model, "l0", range(1, H + 1))  # sends at step H, the last one
+        wait_for(lambda: svc.core is not None and bool(svc.core.rounds[0].pending), 20, "l0's send at the syncer")
+    finally:
+        svc.stop()
+        server.join(20)
+        opt.close()
+    assert not server.is_alive()
+    names = [r["event"] for r in records]
+    assert "final_merge" in names and names.index("final_merge") < names.index("checkpoint")
+    (merge,) = [r for r in records if r["event"] == "merge"]
+    assert merge["cause"] == "final" and merge["merged"] == ["l0"]
+    theta = load_file(str(tmp_path / "ck" / "syncer.safetensors"))
+    named = dict(model.named_parameters())
+    for i, name in enumerate(svc.core.fragments[0].names):  # type: ignore[union-attr]
+        assert torch.allclose(theta[f"theta/0/{i}"], named[name].detach(), rtol=0, atol=1e-6), \
+            f"{name}: l0's work is missing"

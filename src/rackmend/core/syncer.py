@@ -13,6 +13,12 @@ adaptive grace window (or until every expected, healthy learner is in), merge in
 canonical order, run the outer optimizer on the syncer's own copy, bump the
 version and send the new value to every connected learner.
 
+No contribution is lost without a logged reason. Two pending contributions of one
+learner are combined when they hold disjoint work (it applied a merged value between
+them) and the newer replaces the older only when it already contains the older's
+work. A graceful leave closes rounds that no longer wait for anyone, and
+``FinalMerge`` (a driver stopping) merges whatever is still pending.
+
 With a lossy downlink codec the outer step's change is encoded (with a syncer-side
 error-feedback residual per fragment tensor) and the syncer's own value becomes the
 old value plus the *decoded* change, exactly what every learner reconstructs; the
@@ -41,6 +47,7 @@ __all__ = [
     "ContributionArrived",
     "SyncTimed",
     "Tick",
+    "FinalMerge",
     "SendUpdate",
     "LogRecord",
     "Event",
@@ -107,7 +114,14 @@ class Tick:
     """Time passed; lets grace windows expire."""
 
 
-Event = Union[LearnerJoined, LearnerLeft, ExpectationChanged, ContributionArrived, SyncTimed, Tick]
+@dataclass(frozen=True)
+class FinalMerge:
+    """The driver is stopping: merge every fragment's pending contributions now,
+    whatever quorum or grace window they still wait for, so work that was sent is
+    in the global value (and in the checkpoint written after this)."""
+
+
+Event = Union[LearnerJoined, LearnerLeft, ExpectationChanged, ContributionArrived, SyncTimed, Tick, FinalMerge]
 
 
 # ---------------------------------------------------------------------------- actions
@@ -139,6 +153,47 @@ HARMFUL_LOSS = 0.05
 drops the tau local steps made since the send, so small negative gains are normal."""
 
 
+def _contains(newer: Contribution, older: Contribution) -> bool:
+    """Whether ``newer`` (a later send of the same learner and fragment) already holds
+    ``older``'s work, so replacing ``older`` by it loses nothing.
+
+    A learner's outer gradient is measured against the global value it holds, and its
+    counters run since it last received the fragment. With the same base version it
+    applied nothing in between: ``newer`` is cumulative and contains ``older``. With a
+    newer base it applied a merged value in between and reset its counters, so the two
+    hold disjoint work (to combine), unless ``newer``'s step count reaches back over
+    ``older``'s send: then it adopted a rejoin value keeping its progress and counters,
+    and ``newer`` is cumulative again."""
+    return newer.base_version == older.base_version or newer.c_steps > newer.step - older.step
+
+
+def _combine(older: Contribution, newer: Contribution) -> Contribution:
+    """One contribution carrying the disjoint work of two sends of one learner.
+
+    The result is based on ``newer``'s version, with outer gradient
+    Δ_older + Δ_newer: by the time of its newer send the learner had applied that
+    version, so its model sits on it, and the older work (lost from the learner's
+    model by the apply, since the merged value did not contain it) is a displacement
+    added on top, as ``keep_local`` adds local progress to a new value. With
+    ``anchoring="syncer"`` the sum is then re-anchored once, from ``newer``'s base to
+    the current value; re-anchoring the older piece from its own base as well would
+    pull the global value back by the merges the learner has since received. Counters
+    add up, so the weight reflects both pieces of work."""
+    steps = older.c_steps + newer.c_steps
+    return Contribution(
+        learner_id=newer.learner_id,
+        fragment=newer.fragment,
+        base_version=newer.base_version,
+        step=newer.step,
+        c_steps=steps,
+        c_tokens=older.c_tokens + newer.c_tokens,
+        step_time=(older.step_time * older.c_steps + newer.step_time * newer.c_steps) / steps if steps else 0.0,
+        tensors=tuple(o + n for o, n in zip(older.tensors, newer.tensors)),
+        encoded=None,
+        merge_gain=newer.merge_gain if newer.merge_gain is not None else older.merge_gain,
+    )
+
+
 def _finite(t: torch.Tensor) -> bool:
     """All elements finite. A finite sum proves it (any NaN/Inf poisons the sum) with a
     read-only reduction; only a non-finite sum (or an overflow) needs the exact check."""
@@ -167,6 +222,19 @@ class _Member:
 @dataclass
 class _Round:
     pending: dict[str, Contribution] = field(default_factory=dict)
+    """Per learner, its newest send; it decides freshness and what a later send replaces."""
+    carried: dict[str, Contribution] = field(default_factory=dict)
+    """Per learner, older work disjoint from its newest send (it applied a merged value
+    in between), summed; merged together with the newest send (see ``_combine``).
+    Kept apart so a later cumulative send replaces only the newest, not this."""
+    carried_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes received for ``carried`` (a combined contribution has no encoding of its own)."""
+
+    def effective(self, lid: str) -> Contribution:
+        """What is merged for ``lid``: its newest send plus any older disjoint work."""
+        c = self.pending[lid]
+        old = self.carried.get(lid)
+        return c if old is None else _combine(old, c)
     first_arrival: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
@@ -237,6 +305,11 @@ class SyncerCore:
             if m is not None:
                 m.connected, m.expected = False, False
                 actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
+            if event.reason == "leave":
+                # Only a graceful leave: a learner declared silent may come back, adopt
+                # the value it missed while keeping its local progress, and send that
+                # progress again; merging its pending work now would count it twice.
+                self._close_after_leave(now, actions)
             self._close_all_due(now, actions)
         elif isinstance(event, ExpectationChanged):
             m = self.members.get(event.learner_id)
@@ -248,6 +321,8 @@ class SyncerCore:
             self._close_all_due(now, actions)
         elif isinstance(event, SyncTimed):
             self.xi_sync.add(max(0.0, event.seconds))
+        elif isinstance(event, FinalMerge):
+            self._final_merge(now, actions)
         else:
             raise TypeError(f"unknown event {event!r}")
         return actions
@@ -430,11 +505,32 @@ class SyncerCore:
             self._reject(c, now, "non-finite values (NaN or Inf)", actions)
             return None
         rnd = self.rounds[p]
-        old = rnd.pending.get(c.learner_id)
-        if old is not None and old.step >= c.step:
-            actions.append(self._log(now, "superseded", learner=c.learner_id, fragment=p, step=c.step))
+        lid = c.learner_id
+        old = rnd.pending.get(lid)
+        if old is None:
+            rnd.pending[lid] = c
+        elif c.step <= old.step and (c.step == old.step or _contains(old, c)):
+            # A repeat, or an older send arriving late whose work the pending one holds.
+            actions.append(self._log(now, "superseded", learner=lid, fragment=p, step=c.step, by_step=old.step,
+                                     base_version=c.base_version, by_base_version=old.base_version))
             return p
-        rnd.pending[c.learner_id] = c
+        elif c.step > old.step and _contains(c, old):
+            # Cumulative: the new send holds all of the old one's work, so replacing
+            # loses nothing (older disjoint work in ``carried`` stays).
+            actions.append(self._log(now, "superseded", learner=lid, fragment=p, step=old.step, by_step=c.step,
+                                     base_version=old.base_version, by_base_version=c.base_version))
+            rnd.pending[lid] = c
+        else:
+            # Disjoint work (the learner applied a merged value between the sends): both merge.
+            older, newer = (old, c) if old.step < c.step else (c, old)
+            prior = rnd.carried.get(lid)
+            rnd.carried[lid] = older if prior is None else _combine(prior, older)
+            rnd.carried_bytes[lid] = rnd.carried_bytes.get(lid, 0) + self._bytes_in(p, older)
+            rnd.pending[lid] = newer
+            actions.append(self._log(
+                now, "combined", learner=lid, fragment=p, steps=[older.step, newer.step],
+                base_versions=[older.base_version, newer.base_version],
+                c_steps=[older.c_steps, newer.c_steps], c_tokens=[older.c_tokens, newer.c_tokens]))
         if rnd.first_arrival is None and c.base_version == version:
             rnd.first_arrival = now
         if c.step_time > 0:
@@ -461,6 +557,30 @@ class SyncerCore:
                     f"{median:g}: its merges weigh {'almost nothing' if rate < median else 'almost everything'} unless its "
                     "batches really are that different. Pass step(tokens=...) in the same unit on every rack "
                     "(or set LearnerConfig.tokens_per_step where step() is called without tokens)")))
+
+    def _bytes_in(self, p: int, c: Contribution) -> int:
+        return self.fragments[p].nbytes if c.encoded is None else sum(e.nbytes() for e in c.encoded)
+
+    def _close_after_leave(self, now: float, actions: list[Action]) -> None:
+        """After a graceful leave, close each round with pending work that now waits
+        for nobody: every remaining expected learner is in with fresh work, or nobody
+        is expected at all. ``min_quorum`` is not awaited here: the learners that could
+        still make it up are all in already, and without this close the leaver's last
+        contribution would sit pending until someone joins, or forever."""
+        expected = self.expected_learners()
+        for p, rnd in enumerate(self.rounds):
+            if not rnd.pending:
+                continue
+            fresh = {lid for lid, c in rnd.pending.items() if c.base_version == self.versions[p]}
+            if expected <= fresh:
+                self._merge(p, now, actions, cause="leave")
+
+    def _final_merge(self, now: float, actions: list[Action]) -> None:
+        pending = {p: sorted(rnd.pending) for p, rnd in enumerate(self.rounds) if rnd.pending}
+        actions.append(self._log(now, "final_merge", fragments=sorted(pending),
+                                 learners={str(p): ids for p, ids in pending.items()}))
+        for p in pending:
+            self._merge(p, now, actions, cause="final")
 
     def _close_all_due(self, now: float, actions: list[Action]) -> None:
         for p in range(len(self.fragments)):
@@ -499,11 +619,11 @@ class SyncerCore:
         base = self.history[p][c.base_version]
         return [d + (cur - b) for d, cur, b in zip(c.tensors, self.theta[p], base)]
 
-    def _merge(self, p: int, now: float, actions: list[Action]) -> None:
+    def _merge(self, p: int, now: float, actions: list[Action], cause: str | None = None) -> None:
         sc = self.config.syncer
         rnd = self.rounds[p]
         ids = sorted(rnd.pending)
-        contribs = [rnd.pending[i] for i in ids]
+        contribs = [rnd.effective(i) for i in ids]
         raw = [contribution_weight(sc.weighting, c.c_tokens, c.c_steps) for c in contribs]
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
         spec = self.fragments[p]
@@ -554,10 +674,10 @@ class SyncerCore:
                 quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
                 wait_s=now - first,
                 grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,
-                codecs=dict(zip(ids, (c.encoded[0].codec if c.encoded else "none" for c in contribs))),
-                bytes_in=sum(spec.nbytes if c.encoded is None else sum(e.nbytes() for e in c.encoded)
-                             for c in contribs),
+                codecs={i: rnd.pending[i].encoded[0].codec if rnd.pending[i].encoded else "none" for i in ids},
+                bytes_in=sum(self._bytes_in(p, rnd.pending[i]) + rnd.carried_bytes.get(i, 0) for i in ids),
                 bytes_out=(spec.nbytes if delta is None else sum(e.nbytes() for e in delta)) * len(to),
+                **({} if cause is None else {"cause": cause}),
             )
         )
         self.rounds[p] = _Round()

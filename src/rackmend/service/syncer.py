@@ -29,6 +29,7 @@ from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, sam
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
+    FinalMerge,
     LearnerJoined,
     LearnerLeft,
     LogRecord,
@@ -550,6 +551,12 @@ class SyncerService:
 
     def _shutdown(self) -> None:
         try:
+            if self.core is not None:
+                # Before the checkpoint, so contributions that were sent (and acknowledged)
+                # are in the saved value rather than dropped with the process.
+                self._drive(FinalMerge())
+                for ident in [i for i, box in self._outboxes.items() if box]:
+                    self._flush(ident)
             self.checkpoint()
         finally:
             self._event("stopped", merges=self.merges)

@@ -24,6 +24,7 @@ from rackmend.core.settings import LearnerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
+    FinalMerge,
     LearnerJoined,
     LearnerLeft,
     LogRecord,
@@ -79,6 +80,9 @@ class InProcessSyncer:
         return InProcessLink(self)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the syncer after a final merge of every fragment with pending
+        contributions (a ``final_merge`` record, then ``merge`` records with
+        ``cause="final"``); their updates reach learners still connected."""
         self._inbox.put(None)
         self._thread.join(timeout)
         if self._log_file:
@@ -116,6 +120,10 @@ class InProcessSyncer:
                 except queue.Empty:
                     event = Tick()
                 if event is None:
+                    # Contributions queued before close() were dispatched above: merge
+                    # whatever still waits for a quorum or grace window, so work that
+                    # was sent is in the final global value.
+                    self._dispatch(FinalMerge())
                     return
                 self._dispatch(event)
         except BaseException as exc:  # surfaced by close() and by learners' waits
