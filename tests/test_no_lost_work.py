@@ -78,7 +78,7 @@ class StepLink:
         self.outbox: list[Contribution] = []
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
-             initial: Sequence[Sequence[torch.Tensor]], timeout: float) -> list[Update]:
+             initial: Sequence[Sequence[torch.Tensor]], timeout: float, *, settings: object = None) -> list[Update]:
         self.learner_id = learner_id
         self.hub.links[learner_id] = self
         self.hub.handle(LearnerJoined(learner_id))
