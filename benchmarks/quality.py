@@ -16,6 +16,8 @@ number depends only on the seed, not on thread timing:
 - ``averaging``: plain parameter averaging every H steps (P=1, tau=0, lr 1, no momentum).
 - ``diloco``: classic DiLoCo (P=1, tau=0, Nesterov SGD lr 0.7, momentum 0.9).
 - ``rackmend``: rackmend's defaults (``SyncerConfig()``, P=4, tau=2) with H=16.
+- ``rackmend-async``: the same, asynchronous with K=1 and the adaptive grace window
+  (the only arm whose number also depends on thread timing).
 
 The sweep varies the outer learning rate and momentum of the rackmend schedule, at
 M=4, H=16 and then across H and M. The ablation (``hetero``) runs asynchronously with
@@ -63,6 +65,7 @@ def arms(M: int, H: int) -> dict[str, tuple[RackmendConfig, int]]:
         "averaging": (config(M, H, 1, 0, **outer(1.0, 0.0)), M),
         "diloco": (config(M, H, 1, 0, **outer(0.7, 0.9)), M),
         "rackmend": (config(M, H, 4, 2), M),
+        "rackmend-async": (config(M, H, 4, 2, deterministic=False), M),
     }
 
 

@@ -34,7 +34,9 @@ def test_bad_values_are_rejected_with_the_field_name(build, field: str) -> None:
 def test_defaults_are_decoupled_diloco() -> None:
     c = RackmendConfig()
     assert (c.schedule.sync_every, c.schedule.num_fragments, c.schedule.overlap, c.syncer.min_quorum) == (24, 24, 2, 1)
-    assert c.syncer.weighting == "tokens_sq_per_step" and c.syncer.outer_lr == 0.7
+    # The outer step: SGD lr 1.0 without momentum, set by benchmarks/quality.py (not DiLoCo's 0.7/0.9).
+    assert c.syncer.weighting == "tokens_sq_per_step" and c.syncer.outer_lr == 1.0
+    assert c.syncer.resolved_outer_kwargs() == {}
 
 
 def test_kw_only() -> None:

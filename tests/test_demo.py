@@ -44,7 +44,7 @@ def test_arms_differ_as_the_issue_asks() -> None:
     assert (dp.schedule.sync_every, dp.schedule.num_fragments, dp.schedule.overlap, dp.deterministic) == (1, 1, 0, True)
     assert dp.syncer.min_quorum == 4 and dp.syncer.outer_lr == 1.0 and dp.syncer.resolved_outer_kwargs() == {}
     assert (diloco.schedule.num_fragments, diloco.schedule.overlap, diloco.deterministic) == (1, 0, True)
-    assert diloco.syncer.resolved_outer_kwargs() == {"momentum": 0.9, "nesterov": True}
+    assert diloco.syncer.outer_lr == 0.7 and diloco.syncer.resolved_outer_kwargs() == {"momentum": 0.9, "nesterov": True}
     assert (rm.schedule.num_fragments, rm.syncer.min_quorum, rm.deterministic) == (4, 1, False)
     assert specs["local"].config is None
     int4 = specs["rackmend-int4"].config

@@ -133,12 +133,20 @@ class SyncerConfig:
     """Name of a ``torch.optim`` optimizer class run on the syncer's copy of each
     fragment, with the merged outer gradient as ``.grad``."""
 
-    outer_lr: float = 0.7
-    """Learning rate of the outer optimizer (DiLoCo: 0.7 with Nesterov SGD)."""
+    outer_lr: float = 1.0
+    """Learning rate of the outer optimizer. With SGD and no momentum (the default), 1.0
+    sets each fragment to the weighted mean of the learners' values. Chosen by
+    ``benchmarks/quality.py`` (docs/benchmarks.md, "Training quality"): on the demo GPT
+    (M=4, H=16, P=4, tau=2) lr 1.0 without momentum reached held-out loss 2.32 where
+    DiLoCo's lr 0.7 with Nesterov momentum 0.9 reached 2.75, worse than one learner
+    alone; it stayed the best or tied at H=8 and 32 and M=2 and 8. Too high shows as
+    negative merge gains (``merge_harmful`` in the log), too low as slow progress."""
 
     outer_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments for the outer optimizer's constructor. None: DiLoCo's
-    ``momentum=0.9, nesterov=True`` for SGD, torch's defaults for any other optimizer."""
+    """Extra keyword arguments for the outer optimizer's constructor. None: no momentum
+    for SGD (see ``outer_lr``), torch's defaults for any other optimizer. DiLoCo's large-
+    model setting is ``{"momentum": 0.9, "nesterov": True}`` with ``outer_lr=0.7``; it
+    suits long periods (H in the hundreds), not short ones."""
 
     anchoring: str = "syncer"
     """How a stale contribution (based on an older version than the current one) is
@@ -191,7 +199,7 @@ class SyncerConfig:
         """``outer_kwargs`` with the documented default filled in."""
         if self.outer_kwargs is not None:
             return dict(self.outer_kwargs)
-        return {"momentum": 0.9, "nesterov": True} if self.outer_optimizer == "SGD" else {}
+        return {}
 
     def build_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The outer optimizer for one fragment's tensors."""

@@ -10,7 +10,7 @@ streams, inner optimizer and step count; they differ only in how learners synchr
 - ``data-parallel``: every step, blocking, all learners, plain averaging
   (H=1, P=1, tau=0, outer SGD lr=1 without momentum: Theta <- mean theta_m).
 - ``rackmend``: P fragments every H steps, tau-step overlap, quorum K=1,
-  adaptive grace, tokens^2/steps weights, Nesterov outer step.
+  adaptive grace, tokens^2/steps weights, the default outer step (SGD lr 1).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("weighting", str, "tokens_sq_per_step", "tokens_sq_per_step | tokens | uniform", "syncer"),
     Option("merge", str, "mean", "mean | rda", "syncer"),
     Option("outer_optimizer", str, "SGD", "a torch.optim class name", "syncer"),
-    Option("outer_lr", float, 0.7, "outer learning rate", "syncer"),
+    Option("outer_lr", float, 1.0, "outer learning rate", "syncer"),
     Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
     Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
     Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
