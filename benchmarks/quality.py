@@ -27,7 +27,6 @@ window, K=1 with the adaptive grace window, at equal wall time and at equal toke
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 import time

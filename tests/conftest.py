@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+from procs import Procs
 
 
 @pytest.fixture
@@ -14,3 +18,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    """Start processes through it; every one still running is killed at teardown."""
+    pr = Procs(tmp_path)
+    yield pr
+    pr.kill_all()

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_service import HERE, Procs, events, finish, procs  # noqa: E402,F401  (fixture)
+from procs import HERE, Procs, events, finish  # noqa: E402
 
 TRAINER = [sys.executable, str(HERE / "_trainer_proc.py")]
 TOKENS_PER_STEP = 4 * 16  # the helper's batch x sequence length
@@ -44,4 +44,4 @@ def test_trainer_racks_train_through_a_syncer_with_token_weights(procs: Procs, t
         assert result["step"] == steps and min(result["versions"]) >= steps // 4 - 1
         assert result["lr"] == pytest.approx(3e-3 * 0.95**steps), "the scheduler did not drive the inner optimizer"
         assert any("loss" in entry for entry in result["log_history"])
-        assert result["end_loss"] < result["start_loss"] - 0.5, result
+        assert result["end_loss"] < result["start_loss"] - 0.3, result

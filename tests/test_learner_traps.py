@@ -30,7 +30,7 @@ from rackmend.transport.base import TransportError
 
 from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_threads, train
 from reference import reference_run
-from test_service import LEARNER, TORCHRUN, Procs, events, finish, procs  # noqa: F401  (fixture)
+from procs import LEARNER, TORCHRUN, Procs, events, finish
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

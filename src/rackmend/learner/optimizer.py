@@ -32,7 +32,7 @@ from torch import nn
 
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import ConfigError, RackmendConfig
-from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, layout_difference, pack_fragments
+from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport.base import LearnerLink, TransportError

@@ -1,0 +1,90 @@
+"""Real processes for the tests: a ``rackmend syncer``, learner processes, torchrun
+jobs, each started by the test that needs it and killed at its teardown (the ``procs``
+fixture in conftest.py), and the bounded waits around them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).parent
+LEARNER = [sys.executable, str(HERE / "_learner_proc.py")]
+SYNCER = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str,
+             alive: tuple[subprocess.Popen, ...] = ()) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        dead = [p.args[-1] for p in alive if p.poll() is not None]
+        assert not dead, f"a process exited while waiting for {what}"
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Procs:
+    """Processes this test started; all killed at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.out", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.started.append(proc)
+        return proc
+
+    def syncer(self, *flags: str, name: str = "syncer",
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+        ready = self.tmp / f"{name}.endpoint"
+        ready.unlink(missing_ok=True)
+        proc = self.start([*SYNCER, "--ready-file", str(ready), "--log", str(self.tmp / "events.jsonl"), *flags],
+                          name, env)
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 30, "the syncer to listen")
+        assert proc.poll() is None, (self.tmp / f"{name}.out").read_text()
+        return proc, ready.read_text()
+
+    def learner(self, endpoint: str, lid: str, *flags: str, name: str | None = None) -> subprocess.Popen:
+        return self.start([*LEARNER, "--endpoint", endpoint, "--id", lid, *flags], name or lid)
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.out").read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        for p in self.started:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def events(tmp: Path) -> list[dict]:
+    path = tmp / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def progress(path: Path) -> tuple[int, list[int]]:
+    try:
+        step, *versions = path.read_text().split()
+        return int(step), [int(v) for v in versions]
+    except (FileNotFoundError, ValueError):
+        return 0, []
+
+
+def finish(proc: subprocess.Popen, procs: Procs, name: str, timeout: float = 60) -> None:
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} did not finish in {timeout}s:\n{procs.output(name)[-3000:]}") from None
+    assert rc == 0, f"{name} exited {rc}:\n{procs.output(name)[-3000:]}"
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
