@@ -4,6 +4,7 @@ running and a healthy learner's rounds keep completing meanwhile."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -103,9 +104,13 @@ def rig():
     r.close()
 
 
+_SEQ = itertools.count(1)
+"""Every message numbered afresh: the syncer refuses a sequence number it has seen (a replay)."""
+
+
 def _contrib_header(frag: int = 0, **over) -> dict:
     return {"type": "contrib", "learner": "mallory", "rank": 0, "fragment": frag, "base_version": 0, "step": 4,
-            "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "codec": 0, **over}
+            "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 1, "seq": next(_SEQ), "codec": 0, **over}
 
 
 def _valid_tensors(rig: Rig, frag: int) -> list[torch.Tensor]:
@@ -139,7 +144,7 @@ def _encoded(rig: Rig, codec: str, frag: int = 0, **over) -> tuple[dict, list]:
     g = torch.Generator().manual_seed(7)
     encs = tuple(make_codec(codec).encode(torch.randn(t.shape, generator=g) * 0.01) for t in rig.frags[frag].tensors)
     c = Contribution("mallory", frag, rig.svc.core.versions[frag], 4, 4, 16.0, 0.01,
-                     tensors=tuple(torch.zeros(e.shape) for e in encs), encoded=encs)
+                     tensors=tuple(torch.zeros(e.shape) for e in encs), encoded=encs, session=1, seq=next(_SEQ))
     frames = wire.contribution_frames(c, 0)
     return {**msgpack.unpackb(frames[0]), **over}, list(frames[1:])
 

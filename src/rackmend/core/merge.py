@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import math
+
 import torch
 
 from rackmend.config import ConfigError, MERGES, WEIGHTINGS
 
-__all__ = ["contribution_weight", "normalized_weights", "merge_deltas", "ACC_DTYPE"]
+__all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "ACC_DTYPE"]
 
 ACC_DTYPE = torch.float64
 """Accumulation dtype of every merge sum."""
@@ -30,6 +32,34 @@ def contribution_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
     if weighting == "uniform":
         return 1.0
     raise ConfigError(f"weighting={weighting!r} is not known; use one of {', '.join(WEIGHTINGS)}")
+
+
+def _log_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
+    """ln w_m, or -inf for a zero weight; finite for any finite counters."""
+    if weighting == "tokens_sq_per_step":
+        if c_steps <= 0 or c_tokens <= 0:
+            return -math.inf
+        return 2.0 * math.log(c_tokens) - math.log(c_steps)
+    if weighting == "tokens":
+        return math.log(c_tokens) if c_tokens > 0 else -math.inf
+    return 0.0
+
+
+def merge_weights(weighting: str, c_tokens: Sequence[float], c_steps: Sequence[int]) -> list[float]:
+    """Raw weights of a round's contributions that are finite for any finite counters.
+
+    Where ``contribution_weight`` and their sum stay finite its values are returned
+    unchanged, so results stay bit for bit what they were (the test vectors pin them).
+    Otherwise (tokens**2 overflowing) the weights are computed in log space and scaled
+    so the largest is 1: the same ratios, hence the same normalised weights."""
+    raw = [contribution_weight(weighting, t, s) for t, s in zip(c_tokens, c_steps)]
+    if all(math.isfinite(w) for w in raw) and math.isfinite(math.fsum(raw)):
+        return raw
+    logs = [_log_weight(weighting, float(t), int(s)) for t, s in zip(c_tokens, c_steps)]
+    top = max(logs)
+    if top == -math.inf:
+        return [0.0] * len(logs)
+    return [math.exp(lw - top) for lw in logs]
 
 
 def normalized_weights(weights: Sequence[float]) -> list[float]:

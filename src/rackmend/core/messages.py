@@ -40,6 +40,14 @@ class Contribution:
     merge_gain: float | None = None
     """(before - after) / before of the learner's probe loss around applying this
     fragment's previous merged value (positive: the merge helped); None when not measured."""
+    session: int = 0
+    """Random number a learner rank draws when it connects: ``seq`` counts within it, so a
+    restarted learner (whose ``step`` resumes from its checkpoint) is not mistaken for a
+    replay. Set by network transports."""
+    seq: int = 0
+    """Per (learner, fragment, session) sequence number, increasing with every send; the
+    syncer refuses one it has seen already or an older one (a replay). 0: unsequenced
+    (in-process transports, which cannot replay), not checked."""
 
 
 @dataclass(frozen=True)

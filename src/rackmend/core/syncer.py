@@ -27,7 +27,9 @@ update then carries that encoded change as ``delta`` next to the full value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
 import torch
@@ -36,7 +38,7 @@ from rackmend.codecs.base import Encoded
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
+from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import Contribution, Update
 
 __all__ = [
@@ -57,9 +59,15 @@ __all__ = [
     "TOKEN_UNITS_RATIO",
     "HARMFUL_STREAK",
     "HARMFUL_LOSS",
+    "MAX_C_STEPS",
+    "MAX_TOKENS_PER_STEP",
+    "MAX_STEP_TIME",
+    "GUARD_WINDOW",
+    "GUARD_MIN_NORMS",
+    "RETIRED_SESSIONS",
 ]
 
-WARNING_EVENTS = frozenset({"token_units", "merge_harmful"})
+WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped"})
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
 
 TOKEN_UNITS_RATIO = 10.0
@@ -67,6 +75,36 @@ TOKEN_UNITS_RATIO = 10.0
 or more probably counts in other units (e.g. 1 per step beside batch x sequence): under
 ``tokens_sq_per_step`` its weight is off by the square of it. Racks whose batches really
 differ that much get the warning once and can ignore it."""
+
+
+MAX_C_STEPS = 10_000_000
+"""Most inner steps one contribution may claim since its learner last received the
+fragment: 10 steps a second for 11 days without a merged value. A larger count is
+refused (``reject``); under ``tokens_sq_per_step`` it would buy weight for free."""
+
+MAX_TOKENS_PER_STEP = float(2**40)
+"""Most tokens one inner step may claim (c_tokens <= this x max(c_steps, 1)): about 10^12,
+a thousand times the largest batches trained today. Bounds c_tokens**2 far below
+float64's range and refuses a counter of e.g. 1e200 or 2**63 - 1 meant to take the
+whole merge weight."""
+
+MAX_STEP_TIME = 86_400.0
+"""Most seconds per inner step a contribution may report (a day). Step times feed the
+grace window estimate; an absurd one would stretch every round to ``grace_max``."""
+
+GUARD_WINDOW = 32
+"""Per fragment, how many recent unclipped contribution norms the norm guard's median
+is taken over (``SyncerConfig.norm_guard``)."""
+
+GUARD_MIN_NORMS = 5
+"""Nonzero norms a fragment must have seen before the norm guard acts: before that
+there is no scale to compare with, and the first contributions of a run are the
+largest."""
+
+RETIRED_SESSIONS = 16
+"""Per (learner, fragment), how many earlier sessions are remembered so that replays
+of their messages are refused; a learner restarted more often than this within one
+syncer run can have its oldest sessions replayed (docs/reliability.md)."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -194,6 +232,15 @@ def _combine(older: Contribution, newer: Contribution) -> Contribution:
     )
 
 
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """L2 norm over all of a contribution's tensors, accumulated in float64."""
+    total = 0.0
+    for t in tensors:
+        if t.numel():
+            total += float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    return math.sqrt(total)
+
+
 def _finite(t: torch.Tensor) -> bool:
     """All elements finite. A finite sum proves it (any NaN/Inf poisons the sum) with a
     read-only reduction; only a non-finite sum (or an overflow) needs the exact check."""
@@ -279,6 +326,12 @@ class SyncerCore:
         """Per fragment, the median merge gain the learners reported in its last merge
         (their probe loss before minus after applying the previous value)."""
         self._harmful_streak = [0] * len(self.fragments)
+        self.norms: list[deque[float]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
+        """Per fragment, recent nonzero norms of unclipped contributions (the norm guard's scale)."""
+        self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
+        """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
+        self.retired_sessions: dict[tuple[str, int], list[int]] = {}
+        """Per (learner, fragment), earlier sessions, newest last (at most RETIRED_SESSIONS)."""
         downlink = config.compression.build_downlink()
         self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
@@ -388,6 +441,11 @@ class SyncerCore:
             "ema": {"step": self.xi_step.value, "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
             "rejected": self.rejected,
             "learners": sorted(self.members),
+            # A restarted syncer must still refuse replays of what it merged before, and
+            # keep the guard's scale rather than start unguarded.
+            "sequences": [[lid, p, sess, seq, self.retired_sessions.get((lid, p), [])]
+                          for (lid, p), (sess, seq) in sorted(self.sequences.items())],
+            "norms": [list(n) for n in self.norms],
         }
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
@@ -430,6 +488,12 @@ class SyncerCore:
         self.rejected = int(meta["rejected"])
         for lid in meta["learners"]:
             self.members.setdefault(lid, _Member(connected=False, expected=True))
+        # .get: checkpoints written before the replay and norm guards lack these.
+        for lid, p, sess, seq, retired in meta.get("sequences", []):
+            self.sequences[(lid, int(p))] = (int(sess), int(seq))
+            self.retired_sessions[(lid, int(p))] = [int(r) for r in retired]
+        for p, norms in enumerate(meta.get("norms", [])[: len(self.fragments)]):
+            self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
         if self.downlink is not None:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
@@ -491,6 +555,10 @@ class SyncerCore:
         if c.c_steps < 0 or c.c_tokens < 0 or not c.step_time >= 0:
             self._reject(c, now, "negative or NaN counters", actions)
             return None
+        problem = self._check_bounds(c)
+        if problem:
+            self._reject(c, now, problem, actions)
+            return None
         version = self.versions[p]
         if c.base_version > version:
             self._reject(c, now, f"base version {c.base_version} is ahead of the syncer's {version}", actions)
@@ -504,6 +572,15 @@ class SyncerCore:
         if not all(_finite(t) for t in c.tensors):
             self._reject(c, now, "non-finite values (NaN or Inf)", actions)
             return None
+        problem = self._check_sequence(c)
+        if problem:
+            self._reject(c, now, problem, actions)
+            return None
+        guarded = self._guard(c, now, actions)
+        if guarded is None:
+            return None
+        c = guarded
+        self._note_sequence(c)
         rnd = self.rounds[p]
         lid = c.learner_id
         old = rnd.pending.get(lid)
@@ -537,6 +614,71 @@ class SyncerCore:
             self.xi_step.add(c.step_time)
         self._check_units(c, now, actions)
         return p
+
+    @staticmethod
+    def _check_bounds(c: Contribution) -> str | None:
+        """Why ``c``'s counters are beyond what any honest learner reports, or None."""
+        if c.c_steps > MAX_C_STEPS:
+            return f"c_steps {c.c_steps} exceeds the bound MAX_C_STEPS={MAX_C_STEPS}"
+        limit = MAX_TOKENS_PER_STEP * max(c.c_steps, 1)
+        if not c.c_tokens <= limit:
+            return (f"c_tokens {c.c_tokens:g} exceeds the bound of MAX_TOKENS_PER_STEP={MAX_TOKENS_PER_STEP:g} "
+                    f"per step over {c.c_steps} steps")
+        if not c.step_time <= MAX_STEP_TIME:
+            return f"step_time {c.step_time:g} s exceeds the bound MAX_STEP_TIME={MAX_STEP_TIME:g} s"
+        return None
+
+    def _check_sequence(self, c: Contribution) -> str | None:
+        """Why ``c`` is a replay (or an older send than one accepted), or None."""
+        if c.seq <= 0:
+            return None
+        key = (c.learner_id, c.fragment)
+        current = self.sequences.get(key)
+        if current is not None and current[0] == c.session:
+            if c.seq <= current[1]:
+                return (f"replay or older send: seq {c.seq} of session {c.session}, "
+                        f"seq {current[1]} was accepted already")
+        elif c.session in self.retired_sessions.get(key, ()):
+            return f"replay: from an earlier session {c.session} of this learner, since replaced"
+        return None
+
+    def _note_sequence(self, c: Contribution) -> None:
+        if c.seq <= 0:
+            return
+        key = (c.learner_id, c.fragment)
+        current = self.sequences.get(key)
+        if current is not None and current[0] != c.session:
+            retired = self.retired_sessions.setdefault(key, [])
+            retired.append(current[0])
+            del retired[:-RETIRED_SESSIONS]
+        self.sequences[key] = (c.session, c.seq)
+
+    def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
+        """``c``, clipped to ``norm_guard`` x the fragment's median recent norm when above
+        it; None (rejected) when its norm cannot even be computed."""
+        norm = _norm(c.tensors)
+        if not math.isfinite(norm):
+            self._reject(c, now, "outer gradient norm overflows float64", actions)
+            return None
+        window = self.norms[c.fragment]
+        factor = self.config.syncer.norm_guard
+        if factor > 0 and len(window) >= GUARD_MIN_NORMS:
+            median = sorted(window)[len(window) // 2]
+            bound = factor * median
+            if norm > bound:
+                scale = bound / norm
+                actions.append(self._log(
+                    now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
+                    bound=bound, action="clipped",
+                    reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
+                            f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones: clipped to "
+                            f"{bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
+                # Clipped values are kept out of the window: otherwise sends just under the
+                # bound, repeated, would ratchet the scale up.
+                return replace(c, tensors=tuple((t.to(torch.float64) * scale).to(t.dtype) for t in c.tensors))
+        if norm > 0:  # a zero delta says nothing about the scale
+            window.append(norm)
+        return c
 
     def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
         """Warn once per learner whose tokens per step look like other units than the
@@ -624,17 +766,31 @@ class SyncerCore:
         rnd = self.rounds[p]
         ids = sorted(rnd.pending)
         contribs = [rnd.effective(i) for i in ids]
-        raw = [contribution_weight(sc.weighting, c.c_tokens, c.c_steps) for c in contribs]
+        anchored = [self._anchored(p, c) for c in contribs]
+        # Each send was finite on arrival, but a combined sum or a re-anchored one can overflow.
+        bad = [i for i, a in zip(ids, anchored) if not all(_finite(t) for t in a)]
+        if bad:
+            self._drop(p, now, bad, "non-finite after combining or re-anchoring", actions)
+            keep = [k for k, i in enumerate(ids) if i not in bad]
+            ids, contribs, anchored = [ids[k] for k in keep], [contribs[k] for k in keep], [anchored[k] for k in keep]
+            if not ids:
+                self.rounds[p] = _Round()
+                return
+        raw = merge_weights(sc.weighting, [c.c_tokens for c in contribs], [c.c_steps for c in contribs])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
         spec = self.fragments[p]
         merged = merge_deltas(
-            [self._anchored(p, c) for c in contribs],
+            anchored,
             raw,
             sc.merge,
             [t.is_embedding or t.is_buffer for t in spec.tensors],  # rda is for weights only
         )
         opt = self.optimizers[p]
-        old = [t.detach().clone() for t in self.theta[p]] if self.downlink is not None else None
+        # The outer step runs on the live tensors (torch.optim has no out-of-place step),
+        # so the previous value and optimizer state are kept to roll back a non-finite result.
+        old = [t.detach().clone() for t in self.theta[p]]
+        old_state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                     for k, st in opt.state.items()}
         for theta, g, t in zip(self.theta[p], merged, spec.tensors):
             theta.grad = None if t.is_buffer else g
         opt.step()  # tensors without .grad (buffers) are left alone by torch.optim
@@ -644,7 +800,15 @@ class SyncerCore:
                 if t.is_buffer:
                     # Theta_b - mean(Theta_b - b_m) = the weighted mean of the learners' b_m.
                     theta.sub_(g)
-        delta = self._compress_change(p, old) if old is not None else None
+            if not all(_finite(t) for t in self.theta[p]):
+                for theta, o in zip(self.theta[p], old):
+                    theta.copy_(o)
+                opt.state.clear()
+                opt.state.update(old_state)
+                self._drop(p, now, ids, "the merge and outer step gave a non-finite value", actions)
+                self.rounds[p] = _Round()
+                return
+        delta = self._compress_change(p, old) if self.downlink is not None else None
         round_index = self.versions[p]
         self.versions[p] += 1
         version = self.versions[p]
@@ -682,6 +846,20 @@ class SyncerCore:
         )
         self.rounds[p] = _Round()
         self._watch_gains(p, gains, now, actions)
+
+    def _drop(self, p: int, now: float, ids: list[str], reason: str, actions: list[Action]) -> None:
+        """Drop the pending work of ``ids`` from fragment ``p``'s round, logged; the
+        version is not bumped when nothing else merges (the learners send again)."""
+        rnd = self.rounds[p]
+        for lid in ids:
+            rnd.pending.pop(lid, None)
+            rnd.carried.pop(lid, None)
+            rnd.carried_bytes.pop(lid, None)
+        self.rejected += len(ids)
+        actions.append(self._log(
+            now, "merge_dropped", fragment=p, dropped=ids, version=self.versions[p],
+            reason=(f"fragment {p}: dropped the contributions of {', '.join(ids)}: {reason}; "
+                    "the global value was not changed by them")))
 
     def _watch_gains(self, p: int, gains: dict[str, float], now: float, actions: list[Action]) -> None:
         """Warn when applying this fragment's merges keeps making the learners' models

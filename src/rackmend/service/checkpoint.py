@@ -16,9 +16,27 @@ import torch
 from safetensors.torch import load_file, save_file
 from safetensors import safe_open
 
-__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "save_checkpoint", "load_checkpoint", "remove_stale_temps"]
 
 CHECKPOINT_NAME = "syncer.safetensors"
+_TMP_PREFIX = f".{CHECKPOINT_NAME}.tmp-"
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Delete temporary files of checkpoint writes a crash interrupted; returns them.
+
+    Only call this before this process writes a checkpoint: a syncer owns its directory,
+    so at start no write of its own is under way, and any temporary file is a leftover
+    (each one as large as a checkpoint)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in sorted(directory.glob(f"{_TMP_PREFIX}*")):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -26,7 +44,7 @@ def save_checkpoint(directory: str | Path, tensors: dict[str, torch.Tensor], met
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_NAME
-    tmp = directory / f".{CHECKPOINT_NAME}.tmp-{os.getpid()}"
+    tmp = directory / f"{_TMP_PREFIX}{os.getpid()}"
     # safetensors refuses tensors that share storage; contiguous clones are cheap next to the disk write.
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp),
               metadata={"rackmend": json.dumps(meta)})

@@ -39,7 +39,7 @@ from rackmend.core.syncer import (
     Tick,
     WARNING_EVENTS,
 )
-from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from rackmend.transport import wire
 from rackmend.transport.outbox import SHORT_HWM, Outbox
 
@@ -221,6 +221,12 @@ class SyncerService:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
+        if self.service.checkpoint_dir:
+            removed = remove_stale_temps(self.service.checkpoint_dir)
+            if removed:
+                self._event("checkpoint_tmp_removed", paths=[str(p) for p in removed])
+                log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
+                         self.service.checkpoint_dir)
         self._event("listening", endpoint=self.endpoint, resumed=self.core is not None)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)

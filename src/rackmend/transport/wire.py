@@ -50,15 +50,20 @@ __all__ = [
     "layout_from_wire",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """2 added acknowledgements (``ack``), which senders wait for before the next data
-message of a fragment: a version-1 peer would never send them, so the versions do not mix."""
+message of a fragment: a version-1 peer would never send them, so the versions do not mix.
+3 added ``session`` and ``seq`` to contributions (replays are refused); a version-2
+learner would send none."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
 """A header larger than this is refused before it is parsed (a layout of ~10k tensors fits)."""
 
-_LEARNER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+_LEARNER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+"""Matched with ``fullmatch``: ``match`` with ``$`` accepts a trailing newline."""
+MAX_SESSION = 2**63 - 1
+"""Sessions are random 63-bit numbers (they survive a JSON checkpoint as plain ints)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
 SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
 
@@ -116,7 +121,7 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
     return encode({
         "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
-        "step_time": float(c.step_time), **fields,
+        "step_time": float(c.step_time), "session": c.session, "seq": c.seq, **fields,
         **({} if c.merge_gain is None else {"merge_gain": float(c.merge_gain)}),
     }, frames)
 
@@ -205,7 +210,7 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
         raise WireError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(allowed)}")
     if "learner" in header or tuple(allowed) == LEARNER_TYPES:  # every learner message names its sender
         lid = _field(header, "learner", str)
-        if not _LEARNER_ID.match(lid):
+        if not _LEARNER_ID.fullmatch(lid):
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
         _field(header, "rank", int, minimum=0)
     return Message(kind, header, views[1:])
@@ -354,7 +359,11 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
         c_steps=_field(h, "c_steps", int, minimum=0),
         c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
         step_time=float(_field(h, "step_time", (int, float), minimum=0)),
+        session=_field(h, "session", int, minimum=0),
+        seq=_field(h, "seq", int, minimum=1),  # 0 would mean unsequenced: never from the network
     )
+    if counters["session"] > MAX_SESSION:
+        raise WireError(f"field 'session' must be <= {MAX_SESSION}, got {counters['session']}")
     gain = float(_field(h, "merge_gain", (int, float))) if "merge_gain" in h else None
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,

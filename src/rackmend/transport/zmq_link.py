@@ -18,8 +18,10 @@ not the held version means one was lost: the thread asks for the full value
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -129,6 +131,11 @@ class ZmqLink(QueueLink):
         self.dropped_sends = 0
         """Heartbeats not sent because the syncer was unreachable at that moment."""
         self._outbox = Outbox()
+        self._session = secrets.randbits(63)
+        """Drawn anew by every link, so a learner restarted from a checkpoint (its step
+        count resumed) numbers its sends in a session of its own, not as replays."""
+        self._seq: dict[int, int] = {}
+        """Per fragment, the last sequence number sent (training thread only)."""
         self.fetches_sent = 0
         """``fetch`` requests sent after a lost delta update (retries included)."""
         self._global: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
@@ -190,6 +197,10 @@ class ZmqLink(QueueLink):
                 "learner's initial values)")
 
     def send(self, contribution: Contribution) -> None:
+        # Numbered here, per fragment within this link's session: the syncer refuses a
+        # number it has seen, so a replayed or duplicated message is never merged twice.
+        self._seq[contribution.fragment] = seq = self._seq.get(contribution.fragment, 0) + 1
+        contribution = dataclasses.replace(contribution, session=self._session, seq=seq)
         frames = wire.contribution_frames(contribution, self.rank)
         self._pipe_out.send_multipart([b"C", str(contribution.fragment).encode(), *frames], copy=False)
 

@@ -1,0 +1,345 @@
+"""Trust at the syncer: what one learner (or one replayed message) can do to the
+global model. Counters and step times are bounded, weights cannot overflow, a
+non-finite result is never committed, a contribution far larger than the recent
+ones is clipped (``guard``), replays are refused, learner ids are matched whole and
+leftovers of interrupted checkpoint writes are cleaned up at start."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core import (
+    Contribution,
+    ContributionArrived,
+    FragmentSpec,
+    LearnerJoined,
+    LogRecord,
+    SyncerCore,
+    TensorSpec,
+    Tick,
+)
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.settings import LearnerSettings
+from rackmend.transport import wire
+
+from helpers import make_model, serving
+
+N = 4
+
+
+def make_core(learners: tuple[str, ...] = ("a", "b"), K: int = 1, initial: float = 0.0, **syncer: object) -> SyncerCore:
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=8, num_fragments=1, overlap=2),
+        syncer=SyncerConfig(min_quorum=K, learners=learners, grace_max=1.0, outer_optimizer="SGD", outer_lr=1.0,
+                            outer_kwargs={}, **syncer),  # type: ignore[arg-type]
+    )
+    spec = FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))
+    core = SyncerCore(config, [spec], [[torch.full((N,), initial)]])
+    for lid in learners:
+        core.handle(LearnerJoined(lid), 0.0)
+    return core
+
+
+def contrib(lid: str, tensor: torch.Tensor, base: int = 0, step: int = 8, steps: int = 8, tokens: float = 64.0,
+            step_time: float = 0.01, **extra: object) -> ContributionArrived:
+    return ContributionArrived(Contribution(lid, 0, base, step, steps, tokens, step_time, (tensor,), **extra))  # type: ignore[arg-type]
+
+
+def events(actions: list, name: str) -> list[dict]:
+    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == name]
+
+
+# ------------------------------------------------------------------ 1: counters, weights, finiteness
+@pytest.mark.parametrize("field,value", [
+    ("tokens", 1e200),        # tokens**2 overflows: NaN weights, a NaN fragment for good
+    ("tokens", 2.0**63 - 1),  # finite weight, but ~100 % of the merge
+    ("steps", 2**62),
+    ("step_time", 1e300),
+])
+def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field: str, value: float) -> None:
+    core = make_core()
+    bad = contrib("b", torch.full((N,), 1.0), **{field: value})  # type: ignore[arg-type]
+    rejected = events(core.handle(bad, 0.0), "reject")
+    core.handle(contrib("a", torch.full((N,), 1.0)), 0.1)
+    actions = core.handle(Tick(), 5.0)
+    assert rejected and "bound" in rejected[0]["reason"], rejected
+    (m,) = events(actions, "merge")
+    assert m["merged"] == ["a"]
+    assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+
+
+def test_merge_weights_cannot_overflow() -> None:
+    from rackmend.core.merge import merge_weights
+
+    w = merge_weights("tokens_sq_per_step", [1e200, 64.0, 1e300], [8, 8, 1])
+    assert all(math.isfinite(x) for x in w) and sum(w) == pytest.approx(1.0)
+    assert w[2] == pytest.approx(1.0) and w[1] == 0.0
+    # Where the plain formula does not overflow, the weights are the plain ones, bit for bit.
+    assert merge_weights("tokens_sq_per_step", [64.0, 32.0], [8, 4]) == [64.0 * 64.0 / 8, 32.0 * 32.0 / 4]
+
+
+def test_non_finite_outer_step_is_not_committed() -> None:
+    # Each value is finite, but theta - delta = 1e38 + 3e38 overflows float32.
+    core = make_core(learners=("a",), initial=1e38, norm_guard=0.0)
+    actions = core.handle(contrib("a", torch.full((N,), -3e38)), 0.0)
+    assert torch.equal(core.theta[0][0], torch.full((N,), 1e38)), "a non-finite value was committed"
+    assert core.versions[0] == 0 and not events(actions, "merge")
+    (dropped,) = events(actions, "merge_dropped")
+    assert "non-finite" in dropped["reason"] and dropped["dropped"] == ["a"]
+    # The round goes on: the next contribution merges normally.
+    (m,) = events(core.handle(contrib("a", torch.full((N,), 1e37), step=16), 1.0), "merge")
+    assert m["merged"] == ["a"] and torch.isfinite(core.theta[0][0]).all()
+
+
+# ------------------------------------------------------------------ 2: the norm guard
+def _honest_rounds(core: SyncerCore, rounds: int) -> int:
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    for r in range(rounds):
+        step += 8
+        for lid in ("a", "b"):
+            core.handle(contrib(lid, torch.randn(N, generator=g) * 0.01, base=core.versions[0], step=step), float(r))
+        core.handle(Tick(), r + 0.9)
+    return step
+
+
+@pytest.mark.parametrize("kind", ["huge_norm", "one_huge_element"])
+def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    before = core.theta[0][0].clone()
+    bad = torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.01 * 1e6
+    if kind == "one_huge_element":
+        bad = torch.zeros(N)
+        bad[0] = 3e38
+    core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 10.0)
+    actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8), 10.0)
+    (guard,) = events(actions, "guard")
+    assert guard["learner"] == "b" and guard["norm"] > 10 * guard["median"] and guard["bound"] == pytest.approx(
+        10 * guard["median"])
+    assert events(actions, "merge") and torch.isfinite(core.theta[0][0]).all()
+    change = torch.linalg.vector_norm(core.theta[0][0] - before).item()
+    assert change <= guard["bound"] * 1.01  # the weighted mean of two contributions within the bound
+
+
+def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:
+    core = make_core(learners=("a",))
+    # The very first contributions set the scale: no guard yet, however large.
+    assert not events(core.handle(contrib("a", torch.full((N,), 1e6)), 0.0), "guard")
+    off = make_core(learners=("a",), norm_guard=0.0)
+    for i in range(8):
+        off.handle(contrib("a", torch.full((N,), 0.01), base=off.versions[0], step=8 * (i + 1)), float(i))
+    assert not events(off.handle(contrib("a", torch.full((N,), 1e6), base=off.versions[0], step=80), 9.0), "guard")
+
+
+def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rackmend.demo import threads
+    from rackmend.demo.threads import DemoSettings, arm_configs, train_arm
+    from rackmend.workloads import ByteCorpus, GPTConfig
+
+    torch.set_num_threads(1)
+    hubs = []
+    original = threads.InProcessSyncer.for_model
+
+    def capture(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        hubs.append(original(*args, **kwargs))  # type: ignore[arg-type]
+        return hubs[-1]
+
+    monkeypatch.setattr(threads.InProcessSyncer, "for_model", capture)
+    s = DemoSettings(learners=3, steps=64, batch_size=8, sync_every=8, fragments=2, overlap=1, evals=1,
+                     model=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64))
+    train_arm("rackmend", arm_configs(s)["rackmend"], s, ByteCorpus())
+    (hub,) = hubs
+    merges = [r for r in hub.records if r["event"] == "merge"]
+    assert len(merges) >= 10
+    assert [r for r in hub.records if r["event"] == "guard"] == []
+
+
+# ------------------------------------------------------------------ 3: replays (core)
+def test_core_refuses_a_replayed_or_older_sequence_number() -> None:
+    core = make_core(learners=("a",))
+    one = contrib("a", torch.full((N,), 0.01), session=7, seq=1)
+    assert events(core.handle(one, 0.0), "merge")
+    (rej,) = events(core.handle(one, 1.0), "reject")
+    assert "replay" in rej["reason"]
+    # A new session (the learner process restarted) starts its own numbering.
+    fresh = contrib("a", torch.full((N,), 0.01), base=1, step=4, session=8, seq=1)
+    assert events(core.handle(fresh, 2.0), "merge")
+    (old,) = events(core.handle(contrib("a", torch.full((N,), 0.01), base=2, step=16, session=7, seq=5), 3.0),
+                    "reject")
+    assert "earlier session" in old["reason"]
+    assert core.versions[0] == 2
+
+
+# ------------------------------------------------------------------ live syncer, raw ZeroMQ client
+CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
+                        syncer=SyncerConfig(min_quorum=1, grace_max=0.05))
+_SEQ = itertools.count(1)
+
+
+class Raw:
+    """A learner speaking the protocol by hand over a DEALER socket."""
+
+    def __init__(self, endpoint: str, learner: str = "mallory") -> None:
+        self.learner = learner
+        self.frags = pack_fragments(make_model(), 2, 4)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout: float) -> tuple[dict, list] | None:
+        if not self.sock.poll(max(1, int(timeout * 1000))):
+            return None
+        frames = self.sock.recv_multipart()
+        return msgpack.unpackb(frames[0]), frames[1:]
+
+    def hello(self) -> None:
+        self.send(wire.hello_frames(self.learner, 0, 1, self.frags, LearnerSettings.from_config(CONFIG)))
+        end = time.monotonic() + 20
+        got = set()
+        while time.monotonic() < end and len(got) < len(self.frags):
+            reply = self.recv(end - time.monotonic())
+            if reply is None:
+                break
+            header, _ = reply
+            if header["type"] == "init_request":
+                for spec in self.frags:
+                    values = [torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors]
+                    self.send(wire.init_frames(self.learner, 0, spec.index, values))
+            elif header["type"] == "update":
+                got.add(header["fragment"])
+            elif header["type"] == "error":
+                raise AssertionError(f"hello refused: {header}")
+        assert len(got) == len(self.frags), "never joined"
+
+    def contribution(self, frag: int = 0, base: int = 0, **over: object) -> list:
+        tensors = [torch.full(t.shape, 0.01, dtype=t.dtype) for t in self.frags[frag].tensors]
+        header = {"type": "contrib", "learner": self.learner, "rank": 0, "fragment": frag, "base_version": base,
+                  "step": 4, "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 7, "seq": next(_SEQ),
+                  "codec": 0, "tensors": wire._tensor_meta(tensors), **over}
+        return wire.encode(header, tensors)
+
+    def errors(self, timeout: float) -> list[dict]:
+        end = time.monotonic() + timeout
+        out = []
+        while time.monotonic() < end:
+            reply = self.recv(end - time.monotonic())
+            if reply is None:
+                break
+            if reply[0]["type"] == "error":
+                out.append(reply[0])
+                break
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def live():
+    torch.set_num_threads(1)
+    svc, records, thread = serving(CONFIG, heartbeat_timeout=60)
+    end = time.monotonic() + 20
+    while not any(r["event"] == "listening" for r in records) and time.monotonic() < end:
+        time.sleep(0.02)
+    raw = Raw(svc.endpoint)
+    yield svc, records, raw
+    raw.close()
+    svc.stop()
+    thread.join(20)
+
+
+def _wait(records: list[dict], pred, timeout: float = 10.0, start: int = 0) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a record from index ``start`` on satisfies ``pred`` within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(pred(r) for r in records[start:]):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-untyped-def]
+    svc, records, raw = live
+    raw.hello()
+    frames = [bytes(f) for f in raw.contribution()]  # every element 0.01: each merge moves theta by -0.01
+    raw.send(frames)
+    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"])
+    before = len(records)
+    raw.send(frames)
+    raw.send(frames)
+    _wait(records, lambda r: r["event"] == "reject" and "replay" in r["reason"], timeout=3.0, start=before + 1)
+    # A fresh contribution closes the next round; replays still pending would ride along with it.
+    raw.send(raw.contribution(base=svc.core.versions[0], step=8))
+    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"], start=before)
+    time.sleep(0.2)
+    theta = svc.core.theta[0][0]
+    assert torch.allclose(theta, torch.full_like(theta, -0.02)), (
+        f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
+        "a replay was merged too")
+    replays = [r for r in records if r["event"] == "reject" and "replay" in r["reason"]]
+    assert len(replays) == 2
+
+
+@pytest.mark.parametrize("field,value", [("c_tokens", 1e200), ("c_tokens", float(2**63 - 1)),
+                                         ("c_steps", 2**62), ("step_time", 1e300)])
+def test_out_of_bounds_counters_are_rejected_live(live, field: str, value: float) -> None:  # type: ignore[no-untyped-def]
+    svc, records, raw = live
+    raw.hello()
+    raw.send(raw.contribution(**{field: value}))
+    errors = raw.errors(5.0)
+    assert errors and errors[0]["code"] == "rejected" and "bound" in errors[0]["reason"], errors
+    assert any(r["event"] == "reject" and "bound" in r["reason"] for r in records)
+    assert all(torch.isfinite(t).all() for t in svc.core.theta[0])
+    # A sane contribution after it still merges.
+    raw.send(raw.contribution(base=svc.core.versions[0], step=8))
+    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"])
+    assert all(torch.isfinite(t).all() for t in svc.core.theta[0])
+
+
+# ------------------------------------------------------------------ 4: learner ids are matched whole
+@pytest.mark.parametrize("lid", ["l0\n", "mallory\n"])
+def test_learner_id_with_trailing_newline_is_refused(live, lid: str) -> None:  # type: ignore[no-untyped-def]
+    svc, records, raw = live
+    Raw(svc.endpoint, "seed").hello()  # a started core: a bad hello is not answered with init_request
+    raw.learner = lid
+    raw.send(wire.hello_frames(lid, 0, 1, raw.frags, LearnerSettings.from_config(CONFIG)))
+    errors = raw.errors(5.0)
+    assert errors and errors[0]["code"] == "bad_message" and "learner id" in errors[0]["reason"], errors
+    assert not any(r["event"] == "join" and r["learner"] == lid for r in records)
+
+
+def test_decode_header_matches_the_whole_id() -> None:
+    frames = wire.encode({"type": "heartbeat", "learner": "l0\n", "rank": 0})
+    with pytest.raises(wire.WireError, match="learner id"):
+        wire.decode_header(frames, wire.LEARNER_TYPES, 1 << 20)
+
+
+# ------------------------------------------------------------------ 5: checkpoint temp files
+def test_leftover_checkpoint_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    leftover = tmp_path / ".syncer.safetensors.tmp-4242"
+    leftover.write_bytes(b"half a checkpoint")
+    keep = tmp_path / "notes.txt"
+    keep.write_text("not ours")
+    svc, records, thread = serving(CONFIG, checkpoint_dir=str(tmp_path))
+    try:
+        assert _wait(records, lambda r: r["event"] == "listening")
+        assert not leftover.exists(), "an interrupted checkpoint write was left behind"
+        assert keep.exists()
+        (removed,) = [r for r in records if r["event"] == "checkpoint_tmp_removed"]
+        assert removed["paths"] == [str(leftover)]
+    finally:
+        svc.stop()
+        thread.join(20)
