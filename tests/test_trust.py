@@ -159,9 +159,9 @@ def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) 
                      model=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64))
     train_arm("rackmend", arm_configs(s)["rackmend"], s, ByteCorpus())
     (hub,) = hubs
-    merges = [r for r in hub.records if r["event"] == "merge"]
+    merges = hub.merges()
     assert len(merges) >= 10
-    assert [r for r in hub.records if r["event"] == "guard"] == []
+    assert [r for r in hub.events if r["event"] == "guard"] == []
 
 
 # ------------------------------------------------------------------ 3: replays (core)
