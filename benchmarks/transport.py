@@ -83,7 +83,7 @@ def main() -> None:
 
     def rackmend(spec: FragmentSpec, tensors: tuple[torch.Tensor, ...]) -> float:
         t0 = time.perf_counter()
-        c = Contribution("bench", 0, 0, 1, 1, 1.0, 0.0, tensors)
+        c = Contribution("bench", 0, 0, 1, 1, 1.0, 0.0, tensors, session=1, seq=1)
         sock.send_multipart(wire.contribution_frames(c, 0), copy=False)
         reply = sock.recv_multipart(copy=False)
         msg = wire.decode_header(reply, wire.SYNCER_TYPES, 1 << 31)
