@@ -74,10 +74,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
     ``probe_loss``: a callable returning the model's loss on a fixed small held-out
     batch. When given, it runs (under ``torch.no_grad``) just before and just after each
     merged value is applied; ``(before - after) / before`` is that merge's *gain*
-    (negative: the merge made this learner's model worse; -0.05: 5 % worse). The latest gain per fragment is in
-    ``merge_gains``, and rides to the syncer with the fragment's next contribution,
-    where it shows in the merge log (docs/tuning.md). Costs two forward passes of the
-    probe batch per applied merge.
+    (negative: the merge made this learner's model worse; -0.05: 5 % worse). The
+    latest gain per fragment is in ``merge_gains`` and rides to the syncer with the
+    fragment's next contribution, where it shows in the merge log (docs/tuning.md).
+    Costs two forward passes of the probe batch per applied merge.
     """
 
     def __init__(
