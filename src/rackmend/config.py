@@ -160,16 +160,17 @@ class SyncerConfig:
     max_staleness: int = 4
     """Contributions more than this many versions behind are dropped (logged)."""
 
-    norm_guard: float = 10.0
+    norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
     ``norm_guard`` x the median norm of the last ``GUARD_WINDOW`` (32) unclipped
     contributions is clipped to that bound (logged as ``guard`` with both norms). No guard
     until ``GUARD_MIN_NORMS`` (5) nonzero norms are known. Clipped rather than rejected:
     an honest learner back from a long outage legitimately sends a larger gradient, and
     clipping keeps its direction and work while capping what any one send can move.
-    Honest training stays far below 10x (the demo runs show no ``guard`` events); if
-    ``guard`` events name honest learners, their contributions are being clipped: raise
-    it (or 0 disables the guard)."""
+    Honest outliers exist: in ``make demo`` (2026-12-04) a learner restarted after a
+    SIGKILL, with a fresh AdamW state, sent 10.7-12.6x the median for its first sends,
+    so the default leaves a margin of about 2.5 over that. If ``guard`` events name
+    honest learners, their work is being clipped: raise it (0 disables the guard)."""
 
     def validate(self) -> None:
         _check(self.min_quorum >= 1, f"min_quorum (K) must be >= 1, got {self.min_quorum}")
@@ -196,7 +197,7 @@ class SyncerConfig:
         _check(
             self.norm_guard == 0 or self.norm_guard >= 1,
             f"norm_guard must be 0 (off) or >= 1 (a multiple of the median norm), got {self.norm_guard}; "
-            "below 1 it would clip about half of all honest contributions; 10 is the default",
+            "below 1 it would clip about half of all honest contributions; 30 is the default",
         )
         cls = getattr(torch.optim, self.outer_optimizer, None)
         _check(

@@ -101,6 +101,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
     Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
     Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
+    Option("norm_guard", float, 30.0, "clip a contribution whose norm exceeds this multiple of the fragment's "
+           "recent median norm (0: off)", "syncer"),
     Option("uplink_codec", str, "none", "codec learners use for outer gradients (name[:key=value,...], e.g. "
            "int4 or powersgd:rank=4); the syncer accepts any registered codec and logs it per merge",
            "compression"),
