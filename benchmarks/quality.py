@@ -81,11 +81,13 @@ def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float,
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-def section_arms(steps: int, seeds: list[int], M: int, corpus: ByteCorpus) -> dict[str, Any]:
+def section_arms(steps: int, seeds: list[int], M: int, corpus: ByteCorpus, only: list[str] | None) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     print(f"\narms at equal tokens: M={M}, {steps} steps per learner, H={H_DEFAULT}, seeds {seeds}")
     print(f"{'arm':<14} {'median':>8} {'95% interval':>18}  per seed")
     for name, (cfg, learners) in arms(M, H_DEFAULT).items():
+        if only and name not in only:
+            continue
         losses = [run(cfg, learners, steps * M, seed, corpus) for seed in seeds]
         lo, hi = bootstrap(losses)
         rows[name] = {"losses": losses, "median": statistics.median(losses), "interval": [lo, hi]}
@@ -169,6 +171,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--section", choices=("all", "arms", "sweep", "hetero"), default="all")
     p.add_argument("--steps", type=int, default=None, help="inner steps per learner (default 480; quick 96)")
+    p.add_argument("--arms", default="", help="comma-separated arms of the arms section to run (default: all)")
     args = p.parse_args()
     torch.set_num_threads(1)
     steps = args.steps or (96 if args.quick else 480)
@@ -178,7 +181,7 @@ def main() -> None:
     out: dict[str, Any] = {"inputs": {"steps_per_learner": steps, "seeds": seeds, "M": M, "H": H_DEFAULT}}
     result: dict[str, float] = {}
     if args.section in ("all", "arms"):
-        out["arms"] = section_arms(steps, seeds, M, corpus)
+        out["arms"] = section_arms(steps, seeds, M, corpus, [a for a in args.arms.split(",") if a])
         result.update({f"{k}_loss": v["median"] for k, v in out["arms"].items()})
     if args.section in ("all", "sweep"):
         out["sweep"] = section_sweep(steps, M, corpus, args.quick)
