@@ -310,7 +310,10 @@ def run_arm(spec: ArmSpec, s: RunSettings, run_dir: Path, progress: Progress | N
             time.sleep(0.05)
         t0 = time.monotonic()
         stop_at = t0 + s.duration_s if s.duration_s is not None else None
-        (run_dir / GO_FILE).write_text(json.dumps({"t0": t0, "stop_at": stop_at}))
+        # Written aside and renamed: learners poll for the file and must never read it half-written.
+        tmp = run_dir / (GO_FILE + ".tmp")
+        tmp.write_text(json.dumps({"t0": t0, "stop_at": stop_at}))
+        tmp.replace(run_dir / GO_FILE)
         _drive(arm, t0, stop_at, progress)
         wall = max([r["t"] for recs in arm.records.values() for r in recs[-1:]] + [t0]) - t0
         _stop(arm.syncer, signal.SIGTERM, 30)  # writes the final checkpoint
