@@ -322,6 +322,27 @@ def test_learner_id_with_trailing_newline_is_refused(live, lid: str) -> None:  #
     assert not any(r["event"] == "join" and r["learner"] == lid for r in records)
 
 
+def test_learners_option_is_the_list_of_ids_that_may_join() -> None:
+    """With --learners given, an id outside it is refused by name (fatal, logged), and
+    the listed ones still join."""
+    config = CONFIG.replace(syncer=SyncerConfig(min_quorum=1, grace_max=0.05, learners=("l0",)))
+    svc, records, thread = serving(config)
+    stranger, member = Raw(svc.endpoint, "mallory"), Raw(svc.endpoint, "l0")
+    try:
+        stranger.send(wire.hello_frames("mallory", 0, 1, stranger.frags, LearnerSettings.from_config(config)))
+        errors = stranger.errors(10.0)
+        assert errors and errors[0]["code"] == "fatal" and "--learners" in errors[0]["reason"], errors
+        member.hello()  # raises if refused
+    finally:
+        stranger.close()
+        member.close()
+        svc.stop()
+        thread.join(20)
+    refused = [r for r in records if r["event"] == "settings_refused"]
+    assert [(r["learner"], r["setting"]) for r in refused] == [("mallory", "learner_id")]
+    assert [r["learner"] for r in records if r["event"] == "join"] == ["l0"]
+
+
 def test_decode_header_matches_the_whole_id() -> None:
     frames = wire.encode({"type": "heartbeat", "learner": "l0\n", "rank": 0})
     with pytest.raises(wire.WireError, match="learner id"):

@@ -104,7 +104,8 @@ class SyncerConfig:
 
     learners: tuple[str, ...] = ()
     """The expected roster, if known in advance. Rounds end early once every expected,
-    healthy learner is in. Empty: every learner that joins is expected."""
+    healthy learner is in. The syncer service also refuses any other id at join.
+    Empty: every learner that joins is expected."""
 
     grace_max: float = 2.0
     """Upper bound in seconds on the grace window after quorum, and the window used

@@ -91,7 +91,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("overlap", int, 2, "tau of the learners (used by the grace window); a learner with another "
            "tau is refused", "schedule"),
     Option("min_quorum", int, 1, "K: fresh contributions a round needs", "syncer"),
-    Option("learners", _ids, (), "expected learner ids, comma-separated (empty: whoever joins)", "syncer"),
+    Option("learners", _ids, (), "expected learner ids, comma-separated; only these may join (empty: whoever "
+           "joins)", "syncer"),
     Option("grace_max", float, 2.0, "upper bound of the grace window, seconds", "syncer"),
     Option("grace_gamma", float, 0.8, "share of the overlap slack spent waiting for stragglers", "syncer"),
     Option("weighting", str, "tokens_sq_per_step", "tokens_sq_per_step | tokens | uniform", "syncer"),

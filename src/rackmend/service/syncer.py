@@ -341,7 +341,15 @@ class SyncerService:
         """Refuse (``fatal``, logged) a learner whose settings or layout cannot work with
         this run; note once per learner an uplink codec other than the syncer's."""
         lid, s = hello.learner_id, hello.settings
-        mismatch = syncer_mismatch(lid, s, self.config)
+        roster = self.config.syncer.learners
+        if roster and lid not in roster:
+            # --learners is also the list of ids that may join: an id outside it is a typo
+            # or a stranger, and either would otherwise take part in every round.
+            mismatch: Mismatch | None = Mismatch("learner_id", lid, list(roster), (
+                f"learner id {lid!r} is not in the syncer's --learners list {list(roster)}; start the learner "
+                "with one of those ids, or add it to --learners"))
+        else:
+            mismatch = syncer_mismatch(lid, s, self.config)
         first = self._first or ((self._pending.seeder_id, self._pending.settings) if self._pending else None)
         if mismatch is None and first is not None:
             mismatch = peer_mismatch(lid, s, *first)

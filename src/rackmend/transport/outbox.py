@@ -14,7 +14,9 @@ than the one before), both ends keep ZeroMQ's queue short and hold back here:
   keep a backlog away; counting what the receiver has not yet confirmed does, whatever
   the buffers, and costs no throughput on a fast link (other fragments go meanwhile).
 
-Control messages go first. Sockets are not touched here: ``flush`` calls the
+Control messages go first, except those added with ``add_last`` (a leave), which wait
+until every data message queued before them has been sent: the work a learner sent
+before leaving must reach the syncer before the leave does. Sockets are not touched here: ``flush`` calls the
 ``send`` function it is given until that raises ``zmq.Again`` (no room yet).
 """
 
@@ -42,12 +44,13 @@ class Outbox:
         self._control: deque[list[Any]] = deque()
         self._latest: dict[Hashable, tuple[str, list[Any]]] = {}
         self._inflight: dict[Hashable, float] = {}
+        self._last: deque[list[Any]] = deque()
         self.superseded = 0
         """Data messages replaced by a newer one before they could be sent."""
 
     def __bool__(self) -> bool:
         """Whether messages wait to be sent (in-flight ones do not count)."""
-        return bool(self._control or self._latest)
+        return bool(self._control or self._latest or self._last)
 
     def ack(self, key: Hashable) -> None:
         """The receiver has the last data message sent for ``key``."""
@@ -59,6 +62,11 @@ class Outbox:
 
     def add_control(self, frames: list[Any]) -> None:
         self._control.append(frames)
+
+    def add_last(self, frames: list[Any]) -> None:
+        """A control message that leaves only after every data message held now or
+        later has been sent (bounded by ``ack_timeout``, which frees stuck keys)."""
+        self._last.append(frames)
 
     def tag(self, key: Hashable) -> str | None:
         """The tag of the unsent data message held for ``key``, or None."""
@@ -87,6 +95,9 @@ class Outbox:
                 send(self._latest[key][1])
                 del self._latest[key]
                 self._inflight[key] = now
+            while self._last and not self._latest:
+                send(self._last[0])
+                self._last.popleft()
         except zmq.Again:
             return False
-        return not self._control and not self._latest
+        return not self._control and not self._latest and not self._last

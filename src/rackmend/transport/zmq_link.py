@@ -218,7 +218,7 @@ class ZmqLink(QueueLink):
             # with unread updates in its receive buffer is reset, not flushed), and then
             # rounds would wait for this learner until its heartbeat timeout.
             self._leaving = True
-            self._pipe_out.send_multipart([b"M", *wire.encode({"type": "leave", "learner": self.learner_id,
+            self._pipe_out.send_multipart([b"L", *wire.encode({"type": "leave", "learner": self.learner_id,
                                                                 "rank": self.rank})])
             self._bye.wait(self.leave_timeout_s)
             self._pipe_out.send_multipart([b"STOP"])
@@ -259,6 +259,8 @@ class ZmqLink(QueueLink):
                         return
                     if kind == b"C":
                         self._outbox.add_latest(int(msg[1].bytes), msg[2:])
+                    elif kind == b"L":  # the leave follows the contributions queued before it
+                        self._outbox.add_last(msg[1:])
                     else:
                         self._outbox.add_control(msg[1:])
                 if ready.get(dealer, 0) & zmq.POLLIN:
