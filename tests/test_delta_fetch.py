@@ -83,12 +83,12 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
         links = {lid: opt.link for lid, opt in opts.items()}
         # Training stopped; the last contributions merge within the grace window. Then every
         # link must hold the syncer's current version of every fragment, bit for bit.
-        _wait(lambda: all(links[lid]._global[p][0] == core.versions[p] for lid in links for p in range(2)),
+        _wait(lambda: all(links[lid]._global[p][1] == core.versions[p] for lid in links for p in range(2)),
               15, "both links to catch up with the syncer")
         time.sleep(0.3)
         for lid, link in links.items():
             for p in range(2):
-                version, held = link._global[p]
+                _, version, held = link._global[p]
                 assert version == core.versions[p]
                 for a, b in zip(held, core.theta[p]):
                     assert torch.equal(a, b), f"{lid}'s link holds fragment {p} unlike the syncer"

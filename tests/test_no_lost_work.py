@@ -119,7 +119,8 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=H, num_fragments=1, overlap=tau),
         syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1", "l2"), grace_max=1.0,
-                            outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={}),
+                            outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={},
+                            count_absent=False),  # plain arithmetic over what merged
     )
     init = make_model()
     frags = pack_fragments(init, 1, H, config.schedule.packing)
@@ -177,7 +178,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
 def test_combined_stale_pieces_are_anchored_once_from_the_newer_base() -> None:
     """c1 (base 0) and c2 (base 1) of b, both pending while the syncer is at version 2:
     combined into d1 + d2 based on version 1, re-anchored from there only."""
-    core = make_core(learners=("a", "b"), K=1, grace_max=0.0)
+    core = make_core(learners=("a", "b"), K=1, grace_max=0.0, count_absent=False)  # plain arithmetic
     core.handle(contrib("a", 1.0), 0.0)  # v1: theta -1
     core.handle(contrib("b", 2.0, base=0, step=8, steps=8, tokens=8.0), 0.5)  # stale, pending
     # b applied version 1, then a's round 1 merged before b's next send arrived.
@@ -279,8 +280,10 @@ def test_final_merge_merges_every_fragment_with_pending_work() -> None:
     ms = merges(acts)
     assert [m["fragment"] for m in ms] == [0, 2] and all(m["cause"] == "final" for m in ms)
     assert core.versions == [1, 0, 1]
-    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
-    assert torch.equal(core.theta[2][0], torch.full((N,), -1.0))
+    # Each fragment averages the two models: the learner with nothing pending for it
+    # made no progress on it since the last merge (count_absent, equal weights).
+    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+    assert torch.equal(core.theta[2][0], torch.full((N,), -0.5))
 
 
 def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module, list[torch.Tensor]]:
@@ -291,7 +294,8 @@ def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=H, num_fragments=1, overlap=1),
         syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1"), grace_max=30.0,
-                            outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={}),
+                            outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={},
+                            count_absent=False),  # plain arithmetic over what merged
     )
     hub = InProcessSyncer.for_model(config, make_model())
     theta0 = [t.clone() for t in hub.core.theta[0]]

@@ -60,7 +60,42 @@ def test_quorum_then_grace_expiry() -> None:
     assert m["merged"] == ["a", "b"] and m["absent"] == ["c"] and m["round"] == 0
     assert m["quorum_s"] == pytest.approx(0.5) and m["grace_s"] == pytest.approx(1.0)
     assert core.versions[0] == 1 and core.next_deadline() is None
-    # outer SGD lr=1 without momentum: theta <- theta - mean(delta)
+    # outer SGD lr=1 without momentum: theta <- theta - sum(w delta) / (w_a + w_b + w_c),
+    # c counted as sending zero at the present learners' (median) weight.
+    assert m["absent_share"] == pytest.approx(1 / 3)
+    assert torch.allclose(core.theta[0][0], torch.full((N,), -2 / 3))
+
+
+def test_without_count_absent_a_partial_round_takes_the_mean_of_what_came() -> None:
+    core = make_core(count_absent=False)
+    core.handle(contrib("a"), 0.0)
+    core.handle(contrib("b"), 0.5)
+    (m,) = merges(core.handle(Tick(), 1.5))
+    assert m["absent"] == ["c"] and m["absent_share"] == 0.0
+    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+
+
+def test_absent_learner_weighs_what_it_last_merged_with() -> None:
+    core = make_core(K=1, grace_max=0.5)
+    # round 0: all in (c with 3x the tokens, so 9x the weight at equal steps)
+    core.handle(contrib("a", tokens=8.0), 0.0)
+    core.handle(contrib("b", tokens=8.0), 0.0)
+    (m,) = merges(core.handle(contrib("c", tokens=24.0), 0.0))
+    assert m["absent"] == [] and m["absent_share"] == 0.0
+    # round 1: only a is in; b (weight 8) and c (weight 72) count as zero at their weights
+    core.handle(contrib("a", value=2.0, base=1, step=16, tokens=8.0), 1.0)
+    (m,) = merges(core.handle(Tick(), 1.5))
+    assert m["merged"] == ["a"] and m["absent"] == ["b", "c"]
+    assert m["weights"]["a"] == pytest.approx(8 / 88) and m["absent_share"] == pytest.approx(80 / 88)
+    before = -(8 + 8 + 72 * 1.0) / 88
+    assert torch.allclose(core.theta[0][0], torch.full((N,), before - 2.0 * 8 / 88))
+
+
+def test_a_learner_that_left_is_not_counted_as_absent() -> None:
+    core = make_core(learners=("a", "b"), K=1, grace_max=30.0)
+    core.handle(contrib("a"), 0.0)
+    (m,) = merges(core.handle(LearnerLeft("b"), 0.2))
+    assert m["merged"] == ["a"] and m["absent_share"] == 0.0
     assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
 
 
@@ -80,7 +115,7 @@ def test_update_sent_to_every_connected_learner_including_absent() -> None:
 
 
 def test_straggler_contribution_lands_in_next_round() -> None:
-    core = make_core(anchoring="learner_base")  # plain arithmetic; re-anchoring has its own test
+    core = make_core(anchoring="learner_base", count_absent=False)  # plain arithmetic; re-anchoring and the absent share have their own tests
     core.handle(contrib("a", 1.0), 0.0)
     core.handle(contrib("b", 1.0), 0.0)
     assert merges(core.handle(Tick(), 1.0))[0]["merged"] == ["a", "b"]
@@ -192,7 +227,7 @@ def test_too_stale_is_dropped() -> None:
 
 def test_syncer_anchoring_reanchors_stale_gradients() -> None:
     def run(anchoring: str) -> torch.Tensor:
-        core = make_core(learners=("a", "b"), K=1, grace_max=0.0, anchoring=anchoring)
+        core = make_core(learners=("a", "b"), K=1, grace_max=0.0, anchoring=anchoring, count_absent=False)
         core.handle(contrib("a", 1.0), 0.0)  # theta: 0 -> -1 (version 1)
         core.handle(contrib("b", 1.0, base=0), 1.0)  # stale by one version: waits for a fresh one
         assert core.versions[0] == 1

@@ -37,6 +37,9 @@ N = 4
 
 
 def make_core(learners: tuple[str, ...] = ("a", "b"), K: int = 1, initial: float = 0.0, **syncer: object) -> SyncerCore:
+    # count_absent off: these tests read the merged value as plain arithmetic over the
+    # contributions in; the absent share has its own tests (test_syncer_core.py).
+    syncer.setdefault("count_absent", False)
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=8, num_fragments=1, overlap=2),
         syncer=SyncerConfig(min_quorum=K, learners=learners, grace_max=1.0, outer_optimizer="SGD", outer_lr=1.0,
@@ -192,6 +195,8 @@ class Raw:
 
     def __init__(self, endpoint: str, learner: str = "mallory") -> None:
         self.learner = learner
+        self.epoch = 0
+        """The syncer's epoch, from the updates that answered the hello."""
         self.frags = pack_fragments(make_model(), 2, 4)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -204,7 +209,10 @@ class Raw:
         if not self.sock.poll(max(1, int(timeout * 1000))):
             return None
         frames = self.sock.recv_multipart()
-        return msgpack.unpackb(frames[0]), frames[1:]
+        header = msgpack.unpackb(frames[0])
+        if header.get("type") == "update":  # as a link does: the next value waits for it
+            self.send(wire.ack_frames(header["fragment"], self.learner, 0))
+        return header, frames[1:]
 
     def hello(self) -> None:
         self.send(wire.hello_frames(self.learner, 0, 1, self.frags, LearnerSettings.from_config(CONFIG)))
@@ -221,6 +229,7 @@ class Raw:
                     self.send(wire.init_frames(self.learner, 0, spec.index, values))
             elif header["type"] == "update":
                 got.add(header["fragment"])
+                self.epoch = header["epoch"]
             elif header["type"] == "error":
                 raise AssertionError(f"hello refused: {header}")
         assert len(got) == len(self.frags), "never joined"
@@ -228,7 +237,7 @@ class Raw:
     def contribution(self, frag: int = 0, base: int = 0, **over: object) -> list:
         tensors = [torch.full(t.shape, 0.01, dtype=t.dtype) for t in self.frags[frag].tensors]
         header = {"type": "contrib", "learner": self.learner, "rank": 0, "fragment": frag, "base_version": base,
-                  "step": 4, "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 7, "seq": next(_SEQ),
+                  "step": 4, "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 7, "seq": next(_SEQ), "base_epoch": self.epoch,
                   "codec": 0, "tensors": wire._tensor_meta(tensors), **over}
         return wire.encode(header, tensors)
 
@@ -365,3 +374,64 @@ def test_leftover_checkpoint_temp_files_are_removed_at_start(tmp_path: Path) -> 
     finally:
         svc.stop()
         thread.join(20)
+
+
+# ------------------------------------------------------------------ 8: a crash never reissues a version
+def _updates(raw: Raw, fragment: int, timeout: float) -> list[dict]:
+    """Update headers of ``fragment`` that reach ``raw`` within ``timeout`` (others skipped)."""
+    out, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        reply = raw.recv(end - time.monotonic())
+        if reply is None:
+            break
+        if reply[0]["type"] == "update" and reply[0]["fragment"] == fragment:
+            out.append(reply[0])
+    return out
+
+
+def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_reset(procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A syncer killed after sending version 3 but before checkpointing it resumes at
+    version 2 and makes another version 3. A learner still holding the lost one (its
+    link resends an unacknowledged contribution based on it) must not be merged as if
+    based on the new one: refused by epoch, logged, and sent the current value."""
+    from procs import events
+
+    flags = ("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--min-quorum", "1",
+             "--grace-max", "0.05", "--overlap", "1")
+    s1, endpoint = procs.syncer(*flags)
+    a = Raw(endpoint, "l0")
+    a.hello()
+    lost_epoch = a.epoch
+    for v in range(3):
+        a.send(a.contribution(base=v, step=4 * (v + 1)))
+        assert any(u["version"] == v + 1 for u in _updates(a, 0, 10.0)), f"no merge to version {v + 1}"
+    a.close()
+    s1.kill()
+    s1.wait(10)
+    _, endpoint2 = procs.syncer(*flags, "--resume", name="syncer2")
+    resumed = [e for e in events(tmp_path) if e["event"] == "resumed"][-1]
+    b, a2 = Raw(endpoint2, "l1"), Raw(endpoint2, "l0")
+    try:
+        b.hello()
+        assert b.epoch != lost_epoch
+        kept = resumed["versions"][0]
+        assert kept < 3, "the test needs version 3 of fragment 0 to be lost"
+        v = kept
+        while v < 3:  # the resumed run makes its own versions up to 3, with other values
+            b.send(b.contribution(base=v, step=4 * (v + 1), c_tokens=32.0))
+            assert any(u["version"] == v + 1 for u in _updates(b, 0, 10.0))
+            v += 1
+        a2.hello()
+        before = len(events(tmp_path))
+        a2.epoch = lost_epoch  # its resend of work based on the lost version 3
+        a2.send(a2.contribution(base=3, step=16))
+        errors = a2.errors(10.0)
+        assert errors and errors[0]["code"] == "rejected" and "another syncer run" in errors[0]["reason"], errors
+        resets = [u for u in _updates(a2, 0, 5.0) if u["reset"]]
+        assert resets and resets[0]["epoch"] == b.epoch and resets[0]["version"] == 3
+        later = events(tmp_path)[before:]
+        assert any(e["event"] == "reject" and e["learner"] == "l0" and "epoch" in e["reason"] for e in later)
+        assert not any(e["event"] == "merge" and "l0" in e["merged"] for e in later)
+    finally:
+        b.close()
+        a2.close()

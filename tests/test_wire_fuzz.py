@@ -110,7 +110,7 @@ _SEQ = itertools.count(1)
 
 def _contrib_header(frag: int = 0, **over) -> dict:
     return {"type": "contrib", "learner": "mallory", "rank": 0, "fragment": frag, "base_version": 0, "step": 4,
-            "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 1, "seq": next(_SEQ), "codec": 0, **over}
+            "c_steps": 4, "c_tokens": 16.0, "step_time": 0.01, "session": 1, "seq": next(_SEQ), "base_epoch": 0, "codec": 0, **over}
 
 
 def _valid_tensors(rig: Rig, frag: int) -> list[torch.Tensor]:
@@ -144,7 +144,8 @@ def _encoded(rig: Rig, codec: str, frag: int = 0, **over) -> tuple[dict, list]:
     g = torch.Generator().manual_seed(7)
     encs = tuple(make_codec(codec).encode(torch.randn(t.shape, generator=g) * 0.01) for t in rig.frags[frag].tensors)
     c = Contribution("mallory", frag, rig.svc.core.versions[frag], 4, 4, 16.0, 0.01,
-                     tensors=tuple(torch.zeros(e.shape) for e in encs), encoded=encs, session=1, seq=next(_SEQ))
+                     tensors=tuple(torch.zeros(e.shape) for e in encs), encoded=encs, session=1, seq=next(_SEQ),
+                     base_epoch=rig.svc.epoch)
     frames = wire.contribution_frames(c, 0)
     return {**msgpack.unpackb(frames[0]), **over}, list(frames[1:])
 
@@ -161,7 +162,7 @@ def _frames(rig: Rig, case: tuple) -> list:
             header["tensors"][0]["frames"] = arg
         return [msgpack.packb(header), *frames]
     tensors = _valid_tensors(rig, 0)
-    header = _contrib_header()
+    header = _contrib_header(base_epoch=rig.svc.epoch)
     if kind == "garbage":
         return list(arg)
     if kind == "truncated":
@@ -206,7 +207,7 @@ def test_valid_contribution_is_accepted(rig: Rig) -> None:
     """The fuzz cases below mutate this message; unmutated it must not be rejected."""
     before = len(rig.records)
     tensors = _valid_tensors(rig, 0)
-    header = _contrib_header(base_version=rig.svc.core.versions[0])
+    header = _contrib_header(base_version=rig.svc.core.versions[0], base_epoch=rig.svc.epoch)
     rig.send(wire.encode({**header, "tensors": wire._tensor_meta(tensors)}, tensors))
     assert rig.drain(0.5) == []
     assert not [r for r in rig.records[before:] if r["event"] in ("reject", "bad_message") and r.get("learner") == "mallory"]

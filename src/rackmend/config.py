@@ -161,6 +161,19 @@ class SyncerConfig:
     max_staleness: int = 4
     """Contributions more than this many versions behind are dropped (logged)."""
 
+    count_absent: bool = True
+    """In a round that closes without every connected learner, count each missing one
+    as contributing a zero outer gradient at its usual weight (its latest counters),
+    so the round moves the global value by the present learners' share of the work
+    only. Off, a round that closes on one learner of four sets the value to that
+    learner's model (with ``outer_lr`` 1): the fragments jump between learners'
+    models instead of averaging them, and asynchronous training ended worse than
+    plain averaging on the demo GPT (``benchmarks/quality.py``, docs/benchmarks.md).
+    A round with every connected learner in (always, in deterministic mode) is not
+    changed by it. The share given to absent learners is logged per merge
+    (``absent_share``); a share near 1 in most merges means rounds close too early
+    (raise ``min_quorum`` or ``grace_max``)."""
+
     norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
     ``norm_guard`` x the median norm of the last ``GUARD_WINDOW`` (32) unclipped

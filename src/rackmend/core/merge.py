@@ -62,13 +62,16 @@ def merge_weights(weighting: str, c_tokens: Sequence[float], c_steps: Sequence[i
     return [math.exp(lw - top) for lw in logs]
 
 
-def normalized_weights(weights: Sequence[float]) -> list[float]:
-    """Weights divided by their sum; all-zero weights fall back to uniform."""
+def normalized_weights(weights: Sequence[float], absent: float = 0.0) -> list[float]:
+    """Weights divided by their sum plus ``absent`` (the weight of learners counted as
+    sending a zero outer gradient); all-zero weights fall back to uniform."""
     total = 0.0
     for w in weights:
         total += w
     if total <= 0.0:
         return [1.0 / len(weights)] * len(weights)
+    if absent > 0.0:
+        total += absent
     return [w / total for w in weights]
 
 
@@ -107,19 +110,22 @@ def merge_deltas(
     weights: Sequence[float],
     method: str = "mean",
     embedding: Sequence[bool] | None = None,
+    absent: float = 0.0,
 ) -> list[torch.Tensor]:
     """Merge per-learner outer gradients into one, tensor by tensor.
 
     ``deltas[m][i]`` is learner m's gradient for tensor i; ``weights[m]`` its raw
     weight. ``mean``: sum_m w_m d_m / sum_m w_m. ``rda``: (weighted mean of norms) *
     phi(weighted mean of phi(d_m)); tensors flagged in ``embedding`` use mean.
+    ``absent`` adds the raw weight of learners counted as sending zero to every
+    denominator, which scales the result by the present share of the weight.
     Returns tensors in the input dtype.
     """
     if method not in MERGES:
         raise ConfigError(f"merge={method!r} is not known; use one of {', '.join(MERGES)}")
     if not deltas:
         raise ValueError("merge_deltas needs at least one contribution")
-    w = normalized_weights(weights)
+    w = normalized_weights(weights, absent)
     n_tensors = len(deltas[0])
     embedding = embedding or [False] * n_tensors
     out: list[torch.Tensor] = []

@@ -48,6 +48,8 @@ class Contribution:
     """Per (learner, fragment, session) sequence number, increasing with every send; the
     syncer refuses one it has seen already or an older one (a replay). 0: unsequenced
     (in-process transports, which cannot replay), not checked."""
+    base_epoch: int = 0
+    """Epoch of the syncer run whose value ``base_version`` names (see ``Update.epoch``)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class Update:
     reset: bool = False
     """Sent in answer to a (re)join: the learner adopts it whatever version it holds
     (after a syncer restart versions may go back to the last checkpoint)."""
+    epoch: int = 0
+    """The syncer run (a random number drawn at each start) that made this value. A
+    syncer that crashed and resumed from its checkpoint reissues the version numbers
+    after it, with other values: (epoch, version) names a value, a version alone does
+    not. A learner treats a value of a new epoch as a rejoin answer (reset)."""
     delta: tuple[Encoded, ...] | None = None
     """With a lossy downlink codec: the change from version - 1 as encoded, which a
     network transport ships instead of ``tensors`` (full value = value of version - 1

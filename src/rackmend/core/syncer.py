@@ -169,6 +169,8 @@ class SendUpdate:
 
     update: Update
     to: tuple[str, ...]
+    reset: bool = False
+    """Sent as a rejoin answer: adopted whatever the learner holds (its base was lost)."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,14 @@ def _combine(older: Contribution, newer: Contribution) -> Contribution:
         tensors=tuple(o + n for o, n in zip(older.tensors, newer.tensors)),
         encoded=None,
         merge_gain=newer.merge_gain if newer.merge_gain is not None else older.merge_gain,
+        base_epoch=newer.base_epoch,
     )
+
+
+def _share(absent: float, present: Sequence[float]) -> float:
+    """The share of a round's weight given to absent learners (0 when none are)."""
+    total = absent + math.fsum(present)
+    return absent / total if absent > 0.0 and total > 0.0 else 0.0
 
 
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -295,6 +304,7 @@ class SyncerCore:
         config: RackmendConfig,
         fragments: Sequence[FragmentSpec],
         initial: Sequence[Sequence[torch.Tensor]],
+        epoch: int = 0,
     ) -> None:
         if len(initial) != len(fragments):
             raise ValueError(f"initial has {len(initial)} fragments, the layout has {len(fragments)}")
@@ -309,6 +319,12 @@ class SyncerCore:
             self.theta.append(tensors)
             self.optimizers.append(sc.build_outer_optimizer(tensors))
         self.versions = [0] * len(self.fragments)
+        self.epoch = epoch
+        """This run's epoch: stamped on every value sent (``Update.epoch``)."""
+        self.kept_versions = [-1] * len(self.fragments)
+        """Per fragment, the newest version an earlier epoch made that this run still
+        holds (set by ``load_state_dict``): a contribution of another epoch based on a
+        newer one was computed against a value lost in a crash. -1: none (a new run)."""
         self.rounds = [_Round() for _ in self.fragments]
         self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in self.fragments]
         self.current: list[Update] = [self._snapshot(p) for p in range(len(self.fragments))]
@@ -322,6 +338,9 @@ class SyncerCore:
         self.tokens_per_step: dict[str, float] = {}
         """Per learner, tokens per step of its latest contribution (for ``token_units``)."""
         self._units_warned: set[str] = set()
+        self.last_counts: dict[str, tuple[float, int]] = {}
+        """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
+        it is counted with in a round it misses (``count_absent``)."""
         self.merge_gain: list[float | None] = [None] * len(self.fragments)
         """Per fragment, the median merge gain the learners reported in its last merge
         (their probe loss before minus after applying the previous value)."""
@@ -446,6 +465,7 @@ class SyncerCore:
             "sequences": [[lid, p, sess, seq, self.retired_sessions.get((lid, p), [])]
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
+            "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
         }
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
@@ -480,6 +500,7 @@ class SyncerCore:
                     hist.setdefault(int(parts[2]), [None] * len(spec.tensors))[int(parts[3])] = value.clone()  # type: ignore[list-item]
             self.history[p] = hist
             self.versions[p] = int(meta["versions"][p])
+            self.kept_versions[p] = self.versions[p]
             self.current[p] = self._snapshot(p)
             self.rounds[p] = _Round()
         self.xi_step.value = meta["ema"]["step"]
@@ -494,6 +515,8 @@ class SyncerCore:
             self.retired_sessions[(lid, int(p))] = [int(r) for r in retired]
         for p, norms in enumerate(meta.get("norms", [])[: len(self.fragments)]):
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
+        for lid, (t, n) in meta.get("last_counts", {}).items():
+            self.last_counts[lid] = (float(t), int(n))
         if self.downlink is not None:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
@@ -504,7 +527,7 @@ class SyncerCore:
         return LogRecord({"event": event, "t": now, **fields})
 
     def _snapshot(self, p: int, delta: tuple[Encoded, ...] | None = None) -> Update:
-        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]), delta=delta)
+        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]), epoch=self.epoch, delta=delta)
 
     @torch.no_grad()
     def _compress_change(self, p: int, old: list[torch.Tensor]) -> tuple[Encoded, ...]:
@@ -560,6 +583,13 @@ class SyncerCore:
             self._reject(c, now, problem, actions)
             return None
         version = self.versions[p]
+        if c.base_epoch != self.epoch and c.base_version > self.kept_versions[p]:
+            self._reject(
+                c, now, f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), which "
+                f"this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
+                f"another training run; the learner is sent the current value (version {version})", actions)
+            actions.append(SendUpdate(self.current[p], (c.learner_id,), reset=True))
+            return None
         if c.base_version > version:
             self._reject(c, now, f"base version {c.base_version} is ahead of the syncer's {version}", actions)
             return None
@@ -776,7 +806,10 @@ class SyncerCore:
             if not ids:
                 self.rounds[p] = _Round()
                 return
-        raw = merge_weights(sc.weighting, [c.c_tokens for c in contribs], [c.c_steps for c in contribs])
+        absent_ids = self._absent(ids)
+        counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self._usual_counts(a, contribs) for a in absent_ids]
+        raw_all = merge_weights(sc.weighting, [t for t, _ in counts], [s for _, s in counts])
+        raw, absent_weight = raw_all[: len(ids)], math.fsum(raw_all[len(ids):])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
         spec = self.fragments[p]
         merged = merge_deltas(
@@ -784,6 +817,7 @@ class SyncerCore:
             raw,
             sc.merge,
             [t.is_embedding or t.is_buffer for t in spec.tensors],  # rda is for weights only
+            absent_weight,
         )
         opt = self.optimizers[p]
         # The outer step runs on the live tensors (torch.optim has no out-of-place step),
@@ -832,7 +866,8 @@ class SyncerCore:
                 merged=ids,
                 absent=sorted(expected - set(ids)),
                 stale=[c.learner_id for c in contribs if c.base_version < round_index],
-                weights=dict(zip(ids, normalized_weights(raw))),
+                weights=dict(zip(ids, normalized_weights(raw, absent_weight))),
+                absent_share=_share(absent_weight, raw),
                 tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
                 gains=gains,
                 quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
@@ -844,8 +879,25 @@ class SyncerCore:
                 **({} if cause is None else {"cause": cause}),
             )
         )
+        for lid, c in zip(ids, contribs):
+            self.last_counts[lid] = (c.c_tokens, c.c_steps)
         self.rounds[p] = _Round()
         self._watch_gains(p, gains, now, actions)
+
+    def _absent(self, ids: Sequence[str]) -> list[str]:
+        """Connected learners missing from a round of ``ids`` that count as sending zero."""
+        if not self.config.syncer.count_absent:
+            return []
+        return sorted(set(self.connected_learners()) - set(ids))
+
+    def _usual_counts(self, lid: str, present: Sequence[Contribution]) -> tuple[float, int]:
+        """The counters an absent learner is weighted with: its latest merged ones, or
+        (never merged yet) the median of the present contributions'."""
+        if lid in self.last_counts:
+            return self.last_counts[lid]
+        ordered = sorted(present, key=lambda c: (c.c_tokens, c.c_steps))
+        mid = ordered[len(ordered) // 2]
+        return mid.c_tokens, mid.c_steps
 
     def _drop(self, p: int, now: float, ids: list[str], reason: str, actions: list[Action]) -> None:
         """Drop the pending work of ``ids`` from fragment ``p``'s round, logged; the

@@ -140,6 +140,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         n = len(self.fragments)
         self.step_count = 0
         self.versions = [0] * n
+        self.epochs = [0] * n
+        """Per fragment, the syncer epoch of the held value (``Update.epoch``)."""
         self.held: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.c_steps = [0] * n
         self.c_tokens = [0.0] * n
@@ -232,6 +234,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "learner_id": self.learner_id,
                 "step": self.step_count,
                 "versions": list(self.versions),
+                "epochs": list(self.epochs),
                 "c_steps": list(self.c_steps),
                 "c_tokens": list(self.c_tokens),
                 "c_time": list(self.c_time),
@@ -275,12 +278,17 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self._uplink.load_state_dict(rs.get("uplink", {}))
         rebased = False
         with torch.no_grad():
+            epochs = [int(e) for e in rs.get("epochs", [0] * len(self.fragments))]  # older saves lack them
             for p, (version, held, saved) in enumerate(zip(rs["versions"], rs["held"], rs["params"])):
                 for param, value in zip(self._params[p], saved):
                     param.copy_(value)
-                if int(version) >= self.versions[p]:
+                joined = bool(self.held[p])
+                # Versions of two syncer epochs do not compare: a joined value of another
+                # epoch than the saved one is the current one.
+                if not joined or (epochs[p] == self.epochs[p] and int(version) >= self.versions[p]):
                     self.held[p] = [t.clone() for t in held]
                     self.versions[p] = int(version)
+                    self.epochs[p] = epochs[p]
                 else:
                     self._rebase(p, old=held, new=self.held[p])
                     rebased = True
@@ -368,6 +376,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                     param.copy_(value)
             self.held[p] = list(upd.tensors)
             self.versions[p] = upd.version
+            self.epochs[p] = upd.epoch
 
     def _broadcast(self, p: int, upd: Update | None) -> Update:
         """The owner's value of fragment p on every rank (a no-op with one rank)."""
@@ -379,10 +388,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         spec = self.fragments[p]
         if self.owns(p):
             assert upd is not None
-            version = torch.tensor([upd.version], dtype=torch.int64)
+            version = torch.tensor([upd.version, upd.epoch], dtype=torch.int64)
             tensors = [t.clone() for t in upd.tensors]
         else:
-            version = torch.zeros(1, dtype=torch.int64)
+            version = torch.zeros(2, dtype=torch.int64)
             tensors = [torch.empty(t.shape, dtype=t.dtype) for t in spec.tensors]
         backend_device = self._params[p][0].device if dist.get_backend(self._group) == "nccl" else None
         for t in [version, *tensors]:
@@ -390,7 +399,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             dist.broadcast(buf, src, group=self._group)
             if buf is not t:
                 t.copy_(buf.cpu())
-        return Update(p, int(version.item()), tuple(tensors), reset=upd.reset if upd is not None else False)
+        return Update(p, int(version[0]), tuple(tensors), reset=upd.reset if upd is not None else False,
+                      epoch=int(version[1]))
 
     def _apply_across_ranks(self, t: int) -> None:
         """One small all-reduce per step tells every rank which fragments change now
@@ -501,6 +511,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             learner_id=self.learner_id,
             fragment=p,
             base_version=self.versions[p],
+            base_epoch=self.epochs[p],
             step=self.step_count,
             c_steps=steps,
             c_tokens=self.c_tokens[p],
@@ -534,6 +545,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 param.copy_(value + progress)
         self.held[p] = list(upd.tensors)
         self.versions[p] = upd.version
+        self.epochs[p] = upd.epoch
         del self._pending[p]
         if rule == "keep_local":
             s, k, c = pend.counts_at_send
@@ -560,6 +572,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         # plain update, applied after this learner's next send of p).
         self._pending.pop(p, None)
         self._arrived.pop(p, None)
+        self.epochs[p] = upd.epoch
         if upd.version == self.versions[p] and all(map(torch.equal, self.held[p], upd.tensors)):
             return
         self._rebase(p, old=self.held[p], new=list(upd.tensors))

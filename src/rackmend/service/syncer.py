@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -203,6 +204,10 @@ class SyncerService:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, SHORT_HWM)
         self._outboxes: dict[bytes, Outbox] = {}
+        self.epoch = 1 + secrets.randbelow(wire.MAX_EPOCH)
+        """Drawn at every start, never stored: a crash after a merge was sent but before
+        it was checkpointed makes the resumed run reissue that version number with
+        another value, and (epoch, version) keeps the two apart at the learners."""
         self.superseded_updates = 0
         """Updates replaced in a peer's outbox by a newer value before its link had room."""
         # ZeroMQ's own cap is twice the limit: a message just over the limit still reaches
@@ -227,7 +232,7 @@ class SyncerService:
                 self._event("checkpoint_tmp_removed", paths=[str(p) for p in removed])
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
-        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None)
+        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:
@@ -438,7 +443,7 @@ class SyncerService:
 
     # ------------------------------------------------------------------ core driving
     def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]]) -> None:
-        self.core = SyncerCore(self.config, layout, values)
+        self.core = SyncerCore(self.config, layout, values, epoch=self.epoch)
 
     def _drive(self, event: Event) -> None:
         assert self.core is not None
@@ -449,8 +454,8 @@ class SyncerService:
                 frames = None
                 for ident, peer in self.peers.items():
                     if peer.learner_id in action.to and peer.owns(action.update.fragment):
-                        frames = frames or wire.update_frames(action.update)
-                        self._send_update(ident, action.update, frames)
+                        frames = frames or wire.update_frames(action.update, reset=action.reset)
+                        self._send_update(ident, action.update, frames, reset=action.reset)
             elif isinstance(action, LogRecord):
                 self._record(action.record)
                 if action.record["event"] == "reject":

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -135,11 +136,12 @@ class InProcessSyncer:
         merged: list[int] = []
         for action in actions:
             if isinstance(action, SendUpdate):
+                upd = replace(action.update, reset=True) if action.reset else action.update
                 with self._lock:
                     for lid in action.to:
                         box = self._outboxes.get(lid)
                         if box is not None:
-                            box.put(action.update)
+                            box.put(upd)
             elif isinstance(action, LogRecord):
                 self.events.append(action.record)
                 if action.record["event"] in WARNING_EVENTS:

@@ -29,6 +29,7 @@ from rackmend.core.settings import LearnerSettings
 __all__ = [
     "PROTOCOL_VERSION",
     "CODEC_NONE",
+    "MAX_EPOCH",
     "MAX_HEADER_BYTES",
     "WireError",
     "Message",
@@ -50,11 +51,13 @@ __all__ = [
     "layout_from_wire",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2 added acknowledgements (``ack``), which senders wait for before the next data
 message of a fragment: a version-1 peer would never send them, so the versions do not mix.
 3 added ``session`` and ``seq`` to contributions (replays are refused); a version-2
-learner would send none."""
+learner would send none. 4 added the syncer's ``epoch`` to updates and ``base_epoch`` to
+contributions (a resumed syncer reissues version numbers); a version-3 learner would
+apply a reissued version as if it were the one it held."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
@@ -64,6 +67,8 @@ _LEARNER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 """Matched with ``fullmatch``: ``match`` with ``$`` accepts a trailing newline."""
 MAX_SESSION = 2**63 - 1
 """Sessions are random 63-bit numbers (they survive a JSON checkpoint as plain ints)."""
+MAX_EPOCH = 2**52 - 1
+"""Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
 SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
 
@@ -121,7 +126,7 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
     return encode({
         "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
-        "step_time": float(c.step_time), "session": c.session, "seq": c.seq, **fields,
+        "step_time": float(c.step_time), "session": c.session, "seq": c.seq, "base_epoch": c.base_epoch, **fields,
         **({} if c.merge_gain is None else {"merge_gain": float(c.merge_gain)}),
     }, frames)
 
@@ -132,10 +137,10 @@ def update_frames(u: Update, reset: bool = False, *, full: bool = False) -> list
     = version - 1) unless ``reset`` or ``full`` asks for the full-precision value."""
     if u.delta is not None and not reset and not full:
         fields, frames = _payload(u.tensors, u.delta)
-        return encode({"type": "update", "fragment": u.fragment, "version": u.version, "reset": False,
-                       "delta": True, "base_version": u.version - 1, **fields}, frames)
-    return encode({"type": "update", "fragment": u.fragment, "version": u.version, "codec": CODEC_NONE,
-                   "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
+        return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
+                       "reset": False, "delta": True, "base_version": u.version - 1, **fields}, frames)
+    return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
+                   "codec": CODEC_NONE, "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
 
 
 def ack_frames(fragment: int, learner_id: str | None = None, rank: int = 0) -> list[Any]:
@@ -361,9 +366,12 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
         step_time=float(_field(h, "step_time", (int, float), minimum=0)),
         session=_field(h, "session", int, minimum=0),
         seq=_field(h, "seq", int, minimum=1),  # 0 would mean unsequenced: never from the network
+        base_epoch=_field(h, "base_epoch", int, minimum=0),
     )
     if counters["session"] > MAX_SESSION:
         raise WireError(f"field 'session' must be <= {MAX_SESSION}, got {counters['session']}")
+    if counters["base_epoch"] > MAX_EPOCH:
+        raise WireError(f"field 'base_epoch' must be <= {MAX_EPOCH}, got {counters['base_epoch']}")
     gain = float(_field(h, "merge_gain", (int, float))) if "merge_gain" in h else None
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,

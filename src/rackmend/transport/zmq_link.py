@@ -138,8 +138,8 @@ class ZmqLink(QueueLink):
         """Per fragment, the last sequence number sent (training thread only)."""
         self.fetches_sent = 0
         """``fetch`` requests sent after a lost delta update (retries included)."""
-        self._global: dict[int, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        """I/O thread only: per fragment, the latest full value received and its version."""
+        self._global: dict[int, tuple[int, int, tuple[torch.Tensor, ...]]] = {}
+        """I/O thread only: per fragment, the latest full value received, its epoch and version."""
         self._fetching: dict[int, float] = {}
         """I/O thread only: fragments with a fetch outstanding, and when it was sent."""
 
@@ -345,30 +345,37 @@ class ZmqLink(QueueLink):
         """Deliver an update as a full value: a full one as it is, a delta rebuilt on
         the held value (or, after a gap, a fetch for the full value instead)."""
         h = msg.header
+        epoch = h.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= wire.MAX_EPOCH:
+            raise wire.WireError(f"update has a bad epoch {str(epoch)[:30]}")
         held = self._global.get(p)
+        # A new epoch is a syncer resumed from a checkpoint: its version numbers past
+        # the checkpoint name other values than the ones held, so nothing is compared
+        # with them and its value is adopted like a rejoin answer.
+        same_epoch = held is not None and held[0] == epoch
         if not h.get("delta", False):
-            reset = bool(h.get("reset", False))
+            reset = bool(h.get("reset", False)) or (held is not None and not same_epoch)
             tensors = wire.parse_tensors(msg, self._fragments[p])
             self._fetching.pop(p, None)
-            if not reset and held is not None and version < held[0]:
+            if not reset and held is not None and version < held[1]:
                 return  # a fetch answer overtaken by newer values: keep the newer one
-            self._global[p] = (version, tensors)
-            self._box.put(Update(p, version, tensors, reset=reset))
+            self._global[p] = (epoch, version, tensors)
+            self._box.put(Update(p, version, tensors, reset=reset, epoch=epoch))
             return
         base = h.get("base_version")
         if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
             raise wire.WireError(f"delta update of version {version} has a bad base_version {base!r}")
-        if held is not None and base < held[0]:
+        if held is not None and same_epoch and base < held[1]:
             return  # older than what is held: nothing to learn from it
-        if held is None or base > held[0]:
+        if held is None or not same_epoch or base > held[1]:
             if p not in self._fetching:  # at most one outstanding; the loop re-sends it
                 self._fetch(dealer, p)
             return
         decoded, encoded = wire.parse_encoded(msg, self._fragments[p])
         # held + decoded, in this order: the syncer's theta = old + decoded, bit for bit.
-        full = tuple(old + d for old, d in zip(held[1], decoded))
-        self._global[p] = (version, full)
-        self._box.put(Update(p, version, full, delta=encoded))
+        full = tuple(old + d for old, d in zip(held[2], decoded))
+        self._global[p] = (epoch, version, full)
+        self._box.put(Update(p, version, full, epoch=epoch, delta=encoded))
 
     def _fetch(self, dealer: zmq.Socket, p: int) -> None:
         log.info("%s lost an update of fragment %d; fetching its full value", self.learner_id, p)
