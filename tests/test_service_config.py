@@ -113,3 +113,11 @@ def test_init_timeout_option_reaches_the_service() -> None:
     assert service.init_timeout == 7.5
     with pytest.raises(ConfigError, match="init_timeout"):
         ServiceConfig(init_timeout=0)
+
+
+def test_count_absent_is_on_by_default_and_can_be_turned_off() -> None:
+    assert build(resolve(parse(), {}))[0].syncer.count_absent is True
+    assert build(resolve(parse("--count-absent", "false"), {}))[0].syncer.count_absent is False
+    assert build(resolve(parse(), {"RACKMEND_COUNT_ABSENT": "off"}))[0].syncer.count_absent is False
+    with pytest.raises(ConfigError, match="--count-absent"):
+        resolve(parse("--count-absent", "maybe"), {})

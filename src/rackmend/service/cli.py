@@ -102,6 +102,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
     Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
     Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
+    Option("count_absent", _bool, True, "true | false: count a connected learner missing from a round as "
+           "sending zero at its usual weight, so a round closing on few learners moves the global value by "
+           "their share only", "syncer"),
     Option("norm_guard", float, 30.0, "clip a contribution whose norm exceeds this multiple of the fragment's "
            "recent median norm (0: off)", "syncer"),
     Option("uplink_codec", str, "none", "codec learners use for outer gradients (name[:key=value,...], e.g. "
@@ -119,7 +122,7 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     for o in OPTIONS:
         flag = "--" + o.name.replace("_", "-")
         env = ENV_PREFIX + o.name.upper()
-        if o.parse is _bool:
+        if o.parse is _bool and o.default is False:  # a switch; true-by-default ones take a value
             p.add_argument(flag, action="store_const", const=True, default=None,
                            help=f"{o.help} (env {env})")
         else:
