@@ -215,9 +215,9 @@ H_DEFAULT, P_DEFAULT = 3, 2  # _learner_proc.py's defaults
 
 
 def _settings(tau: int, *, H: int = H_DEFAULT, P: int = P_DEFAULT, deterministic: bool = False,
-              uplink: str = "none", downlink: str = "none") -> dict:
+              uplink: str = "none", downlink: str = "none", apply: str = "keep_local") -> dict:
     return {"sync_every": H, "num_fragments": P, "overlap": tau, "deterministic": deterministic,
-            "uplink": uplink, "downlink": downlink}
+            "uplink": uplink, "downlink": downlink, "apply": apply}
 
 
 def _hello(lid: str, settings: dict, *, H: int = H_DEFAULT, P: int = P_DEFAULT) -> list:
@@ -376,6 +376,8 @@ def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tm
         assert err and err["code"] == "fatal" and "sync_every" in err["reason"] and "4" in err["reason"]
         err = hello("p1", _settings(1, P=1, downlink="int8"), P=1)
         assert err and err["code"] == "fatal" and "num_fragments" in err["reason"]
+        err = hello("ow", _settings(1, downlink="int8", apply="overwrite"))
+        assert err and err["code"] == "fatal" and "apply" in err["reason"] and "'keep_local'" in err["reason"]
         assert hello("up", _settings(1, downlink="int8:block_size=256")) is None  # the same codec, spelt out
     finally:
         for d in socks:
@@ -384,7 +386,8 @@ def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tm
         thread.join(20)
     ev = events(tmp_path)
     refused = {e["learner"]: e["setting"] for e in ev if e["event"] == "settings_refused"}
-    assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments"}
+    assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments",
+                       "ow": "apply"}
     uplink = [e for e in ev if e["event"] == "uplink_codec_differs"]
     assert [(e["learner"], e["learner_codec"], e["syncer_codec"]) for e in uplink] == [("seed", "int4", "none")]
     assert {e["learner"] for e in ev if e["event"] == "join"} == {"seed", "up"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackmend import ConfigError, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core import (
     Contribution,
     ContributionArrived,
@@ -23,9 +23,10 @@ from rackmend.core import (
 N = 4
 
 
-def make_core(learners=("a", "b", "c"), K=2, tau=2, grace_max=1.0, P=1, **syncer) -> SyncerCore:
+def make_core(learners=("a", "b", "c"), K=2, tau=2, grace_max=1.0, P=1, apply="auto", **syncer) -> SyncerCore:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=8, num_fragments=P, overlap=tau),
+        learner=LearnerConfig(apply=apply),
         syncer=SyncerConfig(min_quorum=K, learners=tuple(learners), grace_max=grace_max,
                             outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={}, **syncer),
     )
@@ -164,22 +165,36 @@ def test_k_larger_than_roster_rejected_at_config_time() -> None:
 
 
 def test_grace_shrinks_with_step_time_times_tau() -> None:
-    slow = make_core(K=1, grace_max=10.0)
+    """Learners that drop the steps made since a send (overwrite) leave tau steps of slack."""
+    slow = make_core(K=1, grace_max=10.0, apply="overwrite")
     slow.handle(contrib("a", step_time=1.0), 0.0)
-    fast = make_core(K=1, grace_max=10.0)
+    fast = make_core(K=1, grace_max=10.0, apply="overwrite")
     fast.handle(contrib("a", step_time=0.1), 0.0)
     gamma = slow.config.syncer.grace_gamma
     assert slow.grace() == pytest.approx(gamma * 2 * 1.0)
     assert fast.grace() == pytest.approx(gamma * 2 * 0.1)
     assert slow.next_deadline() == pytest.approx(gamma * 2.0)
     # A shorter overlap leaves less slack too; tau=0 leaves none.
-    assert make_core(K=1, tau=0).grace() == 1.0  # no estimate yet: grace_max
-    zero = make_core(K=1, tau=0, grace_max=10.0)
+    assert make_core(K=1, tau=0, apply="overwrite").grace() == 1.0  # no estimate yet: grace_max
+    zero = make_core(K=1, tau=0, grace_max=10.0, apply="overwrite")
     assert merges(zero.handle(contrib("a", step_time=1.0), 0.0))  # no slack -> merges on arrival
     # and the window is capped by grace_max
     capped = make_core(K=1, grace_max=0.3)
     capped.handle(contrib("a", step_time=5.0), 0.0)
     assert capped.grace() == 0.3
+
+
+def test_learners_that_keep_late_progress_give_the_grace_window_until_their_next_send() -> None:
+    """keep_local (the asynchronous default of apply="auto") loses nothing to a later
+    value, so the window may use H - tau steps (here 8 - 2) instead of tau."""
+    for apply in ("auto", "keep_local"):
+        core = make_core(K=1, grace_max=10.0, apply=apply)
+        core.handle(contrib("a", step_time=0.1), 0.0)
+        assert core.grace() == pytest.approx(core.config.syncer.grace_gamma * 6 * 0.1)
+    det = RackmendConfig(schedule=ScheduleConfig(sync_every=8, overlap=2), deterministic=True)
+    assert det.apply_rule() == "overwrite" and det.grace_slack_steps() == 2
+    short = RackmendConfig(schedule=ScheduleConfig(sync_every=3, overlap=2))
+    assert short.apply_rule() == "keep_local" and short.grace_slack_steps() == 2  # never below tau
 
 
 def test_newest_contribution_per_learner_supersedes() -> None:

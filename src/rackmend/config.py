@@ -32,7 +32,7 @@ __all__ = [
 
 WEIGHTINGS = ("tokens_sq_per_step", "tokens", "uniform")
 MERGES = ("mean", "rda")
-APPLY_RULES = ("overwrite", "mix", "keep_local")
+APPLY_RULES = ("auto", "overwrite", "mix", "keep_local")
 PACKINGS = ("balanced", "strided")
 ANCHORINGS = ("learner_base", "syncer")
 
@@ -113,9 +113,13 @@ class SyncerConfig:
     that long before their first estimate. Too small: stragglers always miss."""
 
     grace_gamma: float = 0.8
-    """gamma in (0, 1]: the share of the overlap slack (tau * step time - quorum time -
-    sync time) spent waiting for stragglers. Below 1 so noise in the estimates does not
-    make learners stall."""
+    """gamma in (0, 1]: the share of the slack (slack steps x step time - quorum time -
+    sync time) spent waiting for stragglers. The slack steps are tau when learners drop
+    the steps made since a send on applying (``apply="overwrite"`` or ``"mix"``), and
+    H - tau with ``keep_local`` (the asynchronous default), where a later value costs
+    no work as long as it is back before the fragment's next send
+    (``RackmendConfig.grace_slack_steps``). Below 1 so noise in the estimates does not
+    make learners stall or send stale work."""
 
     ema_decay: float = 0.8
     """Weight of the old value in the moving averages of step, quorum and sync times
@@ -248,9 +252,17 @@ class SyncerConfig:
 class LearnerConfig:
     """How a learner applies merged values it receives."""
 
-    apply: str = "overwrite"
-    """``overwrite`` (theta <- merged), ``mix`` (theta <- alpha*theta + (1-alpha)*merged)
-    or ``keep_local`` (theta <- merged + progress made since the send)."""
+    apply: str = "auto"
+    """``overwrite`` (theta <- merged), ``mix`` (theta <- alpha*theta + (1-alpha)*merged),
+    ``keep_local`` (theta <- merged + progress made since the send) or ``auto``:
+    ``overwrite`` in deterministic mode (the value always arrives at t_send + tau, as in
+    the papers and the reference), ``keep_local`` otherwise. Asynchronously a value can
+    arrive later than t_send + tau; ``overwrite`` then drops every step made since the
+    send, work that is counted nowhere. ``keep_local`` keeps it, which also lets the
+    syncer's grace window wait for stragglers up to the learners' next send instead of
+    only tau steps (see ``SyncerConfig.grace_gamma``): on the demo GPT that took
+    asynchronous training from worse than plain averaging to level with it
+    (docs/benchmarks.md, "Training quality")."""
 
     mix_alpha: float = 0.5
     """alpha of the ``mix`` rule: the share of the local value kept."""
@@ -371,6 +383,22 @@ class RackmendConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def apply_rule(self) -> str:
+        """``learner.apply`` with ``auto`` resolved (see ``LearnerConfig.apply``)."""
+        if self.learner.apply != "auto":
+            return self.learner.apply
+        return "overwrite" if self.deterministic else "keep_local"
+
+    def grace_slack_steps(self) -> int:
+        """Inner steps a merged value may take past a send before learners lose by its
+        lateness: tau when the apply rule drops the steps made since the send, else
+        H - tau, at least tau (it should be back before the fragment's next send, with
+        tau steps to spare for the transfers)."""
+        sch = self.schedule
+        if self.apply_rule() == "keep_local":
+            return max(sch.overlap, sch.sync_every - sch.overlap)
+        return sch.overlap
 
     def replace(self, **changes: Any) -> "RackmendConfig":
         """A copy with top-level fields changed (validated again)."""

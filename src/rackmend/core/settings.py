@@ -36,16 +36,21 @@ class LearnerSettings:
     """``CompressionConfig.uplink`` spec string."""
     downlink: str
     """``CompressionConfig.downlink`` spec string."""
+    apply: str = "overwrite"
+    """``RackmendConfig.apply_rule()``: the syncer's grace window depends on it. The
+    default is what learners did before it was reported (checkpoints of that time)."""
 
     @classmethod
     def from_config(cls, config: RackmendConfig) -> "LearnerSettings":
         sch, comp = config.schedule, config.compression
         return cls(sync_every=sch.sync_every, num_fragments=sch.num_fragments, overlap=sch.overlap,
-                   deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink)
+                   deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink,
+                   apply=config.apply_rule())
 
     def to_wire(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "num_fragments": self.num_fragments, "overlap": self.overlap,
-                "deterministic": self.deterministic, "uplink": self.uplink, "downlink": self.downlink}
+                "deterministic": self.deterministic, "uplink": self.uplink, "downlink": self.downlink,
+                "apply": self.apply}
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,14 @@ def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RackmendConfig)
 
 
 def peer_mismatch(learner_id: str, s: LearnerSettings, first_id: str, first: LearnerSettings) -> Mismatch | None:
-    """H or P of learner ``learner_id`` unlike those of ``first_id``, whose values the run uses."""
+    """H, P or the apply rule of learner ``learner_id`` unlike those of ``first_id``, whose
+    values the run uses."""
+    if s.apply != first.apply:
+        return Mismatch("apply", s.apply, first.apply, (
+            f"apply differs: learner {learner_id} applies merged values by {s.apply!r}, but the run uses "
+            f"{first.apply!r} (set by learner {first_id}, the first to join), and the syncer's grace window "
+            f"depends on it. Set LearnerConfig(apply={first.apply!r}) on {learner_id} (or leave every learner "
+            "at the default 'auto')"))
     for name, field, letter in (("sync_every", "sync_every", "H"), ("num_fragments", "num_fragments", "P")):
         mine, theirs = getattr(s, field), getattr(first, field)
         if mine != theirs:

@@ -405,12 +405,14 @@ class SyncerCore:
         return min(deadlines) if deadlines else None
 
     def grace(self) -> float:
-        """clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_max)."""
+        """clamp(gamma * (slack_steps * xi_step - xi_quorum - xi_sync), 0, grace_max),
+        slack_steps = tau, or H - tau when learners keep late progress
+        (``RackmendConfig.grace_slack_steps``)."""
         sc = self.config.syncer
         if self.xi_step.value is None:
             return sc.grace_max
         slack = (
-            self.config.schedule.overlap * self.xi_step.value
+            self.config.grace_slack_steps() * self.xi_step.value
             - (self.xi_quorum.value or 0.0)
             - (self.xi_sync.value or 0.0)
         )

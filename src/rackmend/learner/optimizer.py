@@ -138,6 +138,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._params: list[list[torch.Tensor]] = fragment_tensors(model, self.fragments)
         """Per fragment, the model's tensors (parameters and synced buffers) in order."""
         n = len(self.fragments)
+        self._rule = config.apply_rule()
+        """``learner.apply`` with ``auto`` resolved."""
         self.step_count = 0
         self.versions = [0] * n
         self.epochs = [0] * n
@@ -492,7 +494,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def _send(self, p: int) -> None:
         if not self.owns(p):
             # The owner rank sends; this rank only tracks the round so it applies in step.
-            keep = self._snapshot(p) if self.config.learner.apply == "keep_local" else None
+            keep = self._snapshot(p) if self._rule == "keep_local" else None
             if keep is not None and p in self._pinned:
                 keep = [t.clone() for t in keep]
             self._pending[p] = _Pending(self.step_count, keep, (self.c_steps[p], self.c_tokens[p], self.c_time[p]))
@@ -524,13 +526,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.bytes_sent += nbytes
         # Pinned buffers are reused at the next send, so keep_local holds its own copy.
         keep = None
-        if self.config.learner.apply == "keep_local":
+        if self._rule == "keep_local":
             keep = [t.clone() for t in snapshot] if p in self._pinned else snapshot
         self._pending[p] = _Pending(self.step_count, keep, (steps, self.c_tokens[p], self.c_time[p]))
 
     @torch.no_grad()
     def _apply(self, p: int, upd: Update, pend: _Pending) -> None:
-        rule = self.config.learner.apply
+        rule = self._rule
         before = float(self.probe_loss()) if self.probe_loss is not None else None
         for i, (param, value) in enumerate(zip(self._params[p], upd.tensors)):
             value = value.to(param.device, non_blocking=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import dataclasses
 import logging
 import secrets
 import signal
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from rackmend.config import ConfigError, RackmendConfig
+from rackmend.config import ConfigError, RackmendConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
@@ -429,7 +430,7 @@ class SyncerService:
         pend.asked_at = self.clock()  # progress: a slow upload of a large model is not a dead seeder
         if len(pend.values) == len(pend.layout):
             try:
-                self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))])
+                self._start_core(pend.layout, [list(pend.values[p]) for p in range(len(pend.layout))], pend.settings)
             except ConfigError as exc:  # e.g. a lossy downlink codec for a bfloat16 model
                 self._pending = None
                 for waiting_ident, _ in pend.waiting:
@@ -442,8 +443,18 @@ class SyncerService:
                 self._hello(waiting_ident, hello)
 
     # ------------------------------------------------------------------ core driving
-    def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]]) -> None:
-        self.core = SyncerCore(self.config, layout, values, epoch=self.epoch)
+    def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]],
+                    settings: LearnerSettings | None) -> None:
+        """The core, with the run's H, P, tau and apply rule taken from the learner that
+        set them (the syncer has no value of its own for H, P and the apply rule, and
+        its grace window depends on them)."""
+        config = self.config
+        if settings is not None:
+            config = config.replace(
+                schedule=ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
+                                        overlap=config.schedule.overlap),
+                learner=dataclasses.replace(config.learner, apply=settings.apply))
+        self.core = SyncerCore(config, layout, values, epoch=self.epoch)
 
     def _drive(self, event: Event) -> None:
         assert self.core is not None
@@ -537,13 +548,13 @@ class SyncerService:
         tensors, meta = loaded
         layout = layout_from_wire(meta["layout"])
         values = [[tensors[f"theta/{p}/{i}"] for i in range(len(f.tensors))] for p, f in enumerate(layout)]
-        self._start_core(layout, values)
-        assert self.core is not None
-        self.core.load_state_dict(tensors, meta)
-        self.merges = int(meta.get("merges", 0))
         first = meta.get("first_learner")
         if first is not None:
             self._first = (first["learner"], LearnerSettings(**first["settings"]))
+        self._start_core(layout, values, None if self._first is None else self._first[1])
+        assert self.core is not None
+        self.core.load_state_dict(tensors, meta)
+        self.merges = int(meta.get("merges", 0))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
         self._event("resumed", versions=list(self.core.versions))
 

@@ -19,6 +19,7 @@ import msgpack
 import torch
 
 from rackmend.codecs.base import CodecError, Encoded
+from rackmend.config import APPLY_RULES
 from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
@@ -56,8 +57,9 @@ PROTOCOL_VERSION = 4
 message of a fragment: a version-1 peer would never send them, so the versions do not mix.
 3 added ``session`` and ``seq`` to contributions (replays are refused); a version-2
 learner would send none. 4 added the syncer's ``epoch`` to updates and ``base_epoch`` to
-contributions (a resumed syncer reissues version numbers); a version-3 learner would
-apply a reissued version as if it were the one it held."""
+contributions (a resumed syncer reissues version numbers; a version-3 learner would
+apply a reissued version as if it were the one it held), and the learner's ``apply``
+rule to the hello's settings (the grace window depends on it)."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
@@ -67,6 +69,8 @@ _LEARNER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 """Matched with ``fullmatch``: ``match`` with ``$`` accepts a trailing newline."""
 MAX_SESSION = 2**63 - 1
 """Sessions are random 63-bit numbers (they survive a JSON checkpoint as plain ints)."""
+APPLIED_RULES = tuple(r for r in APPLY_RULES if r != "auto")
+"""What a learner reports as its apply rule (``auto`` is resolved before)."""
 MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
@@ -250,7 +254,7 @@ def parse_hello(msg: Message) -> Hello:
     if rank >= world:
         raise WireError(f"hello: rank {rank} and world {world} do not fit (need 0 <= rank < world)")
     if "settings" not in h:
-        raise WireError("hello lacks field 'settings' (sync_every, num_fragments, overlap, deterministic, "
+        raise WireError("hello lacks field 'settings' (sync_every, num_fragments, overlap, deterministic, apply, "
                         "uplink, downlink): the learner runs an older rackmend; upgrade it")
     raw = _field(h, "settings", dict)
     expected = set(LearnerSettings.__dataclass_fields__)
@@ -262,7 +266,11 @@ def parse_hello(msg: Message) -> Hello:
         "num_fragments": _field(raw, "num_fragments", int, minimum=1),
         "overlap": _field(raw, "overlap", int, minimum=0),
         "deterministic": _field(raw, "deterministic", bool),
+        "apply": _field(raw, "apply", str),
     }
+    if values["apply"] not in APPLIED_RULES:
+        raise WireError(f"hello: settings.apply must be one of {', '.join(APPLIED_RULES)}, "
+                        f"got {values['apply'][:40]!r}")
     if values["overlap"] >= values["sync_every"]:
         raise WireError(f"hello: overlap {values['overlap']} must be smaller than sync_every {values['sync_every']}")
     if values["num_fragments"] != len(layout):
