@@ -125,37 +125,51 @@ def section_sweep(steps: int, M: int, corpus: ByteCorpus, quick: bool) -> dict[s
     return {"grid": grid, "across": across}
 
 
-def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[str, Any]) -> dict[str, Any]:
+def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[str, Any],
+                   seeds: list[int]) -> dict[str, Any]:
     """Half the learners 18 % slower, every step +-10 % jitter (sleep-based, so the
-    compute of the 2-core machine does not set the pace)."""
+    compute of the 2-core machine does not set the pace). Per seed the variants run one
+    after another; the loss at equal wall time is read at the end of that seed's
+    fastest variant."""
     base_s = 0.06
-    rows: dict[str, Any] = {}
     variants = {
         "K=M": dict(min_quorum=M, grace_max=5.0),
         "K=1, no grace": dict(min_quorum=1, grace_max=0.0),
         "K=1, adaptive grace": dict(min_quorum=1, grace_max=2.0),
     }
-    print(f"\nheterogeneous speeds: M={M}, half 18% slower, 10% jitter, {steps} steps per learner")
-    print(f"{'variant':<22} {'loss at equal tokens':>21} {'wall s':>8} {'merges':>7}")
-    for name, fields in variants.items():
-        cfg = config(M, H_DEFAULT, 4, 2, deterministic=False, **fields, **outer_fields)
-        rng = random.Random(0)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    print(f"\nheterogeneous speeds: M={M}, half 18% slower, 10% jitter, {steps} steps per learner, seeds {seeds}")
+    print(f"{'seed':>4} {'variant':<22} {'loss at equal tokens':>21} {'wall s':>8} {'merges':>7}")
+    for seed in seeds:
+        this: dict[str, dict[str, Any]] = {}
+        for name, fields in variants.items():
+            cfg = config(M, H_DEFAULT, 4, 2, deterministic=False, **fields, **outer_fields)
+            rng = random.Random(seed)
 
-        def delay(idx: int, step: int) -> float:
-            slow = 1.18 if idx >= M // 2 else 1.0
-            return base_s * slow * rng.uniform(0.9, 1.1)
+            def delay(idx: int, step: int) -> float:
+                slow = 1.18 if idx >= M // 2 else 1.0
+                return base_s * slow * rng.uniform(0.9, 1.1)
 
-        s = DemoSettings(learners=M, steps=steps, seed=0, evals=4, step_delay=delay)
-        t0 = time.perf_counter()
-        r = train_arm(name, cfg, s, corpus)
-        rows[name] = {"points": r.points, "loss": r.points[-1][2], "wall_s": time.perf_counter() - t0,
-                      "merges": r.merges}
-        print(f"{name:<22} {rows[name]['loss']:>21.3f} {rows[name]['wall_s']:>8.1f} {r.merges:>7}", flush=True)
-    wall = min(r["wall_s"] for r in rows.values())
-    print(f"held-out loss at equal wall time ({wall:.1f} s, the fastest variant's end):")
-    for name, r in rows.items():
-        r["loss_at_equal_wall"] = at_time(r["points"], wall)
-        print(f"  {name:<22} {r['loss_at_equal_wall']:.3f}")
+            s = DemoSettings(learners=M, steps=steps, seed=seed, evals=4, step_delay=delay)
+            t0 = time.perf_counter()
+            r = train_arm(name, cfg, s, corpus)
+            this[name] = {"seed": seed, "points": r.points, "loss": r.points[-1][2],
+                          "wall_s": time.perf_counter() - t0, "merges": r.merges}
+            print(f"{seed:>4} {name:<22} {this[name]['loss']:>21.3f} {this[name]['wall_s']:>8.1f} {r.merges:>7}",
+                  flush=True)
+        wall = min(r["wall_s"] for r in this.values())
+        for name, r in this.items():
+            r["loss_at_equal_wall"] = at_time(r["points"], wall)
+            runs[name].append(r)
+    rows: dict[str, Any] = {}
+    print("medians over seeds (loss at equal tokens; at the equal wall time of each seed's fastest variant):")
+    for name, rs in runs.items():
+        losses, at_wall = [r["loss"] for r in rs], [r["loss_at_equal_wall"] for r in rs]
+        rows[name] = {"runs": rs, "loss": statistics.median(losses), "losses": losses,
+                      "loss_at_equal_wall": statistics.median(at_wall), "losses_at_equal_wall": at_wall,
+                      "wall_s": statistics.median(r["wall_s"] for r in rs)}
+        print(f"  {name:<22} {rows[name]['loss']:.3f} [{min(losses):.3f}, {max(losses):.3f}]   "
+              f"{rows[name]['loss_at_equal_wall']:.3f} [{min(at_wall):.3f}, {max(at_wall):.3f}]")
     return rows
 
 
@@ -189,7 +203,8 @@ def main() -> None:
         result.update(best_lr=best["lr"], best_momentum=best["momentum"], best_loss=best["loss"])
     if args.section in ("all", "hetero"):
         sc = SyncerConfig()
-        out["hetero"] = section_hetero(steps, M, corpus, {"outer_lr": sc.outer_lr, "outer_kwargs": sc.outer_kwargs})
+        out["hetero"] = section_hetero(steps, M, corpus, {"outer_lr": sc.outer_lr, "outer_kwargs": sc.outer_kwargs},
+                                       seeds)
         result.update({f"hetero_{k.replace(' ', '').replace(',', '_')}_loss": v["loss"]
                        for k, v in out["hetero"].items()})
     finish("quality" if args.section == "all" else f"quality-{args.section}", args.out, out, result)

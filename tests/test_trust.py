@@ -23,6 +23,7 @@ from rackmend.core import (
     FragmentSpec,
     LearnerJoined,
     LogRecord,
+    SendUpdate,
     SyncerCore,
     TensorSpec,
     Tick,
@@ -377,6 +378,43 @@ def test_leftover_checkpoint_temp_files_are_removed_at_start(tmp_path: Path) -> 
 
 
 # ------------------------------------------------------------------ 8: a crash never reissues a version
+def test_epoch_lineage_across_two_crashes() -> None:
+    """Run 1 makes versions 1-3 but checkpoints at 2; run 2 resumes there, makes its own
+    3 and 4 and checkpoints at 4; run 3 resumes from that. Work based on run 1's
+    version 2 or run 2's version 4 is sound; run 1's version 3 and anything run 2 made
+    after its checkpoint were lost, and are refused with a reset."""
+    def run(epoch: int, state: tuple | None) -> SyncerCore:
+        core = make_core(learners=("a",))
+        core.epoch = epoch
+        if state is not None:
+            core.load_state_dict(*state)
+        return core
+
+    def step(core: SyncerCore, base: int, epoch: int) -> list:
+        return core.handle(contrib("a", torch.full((N,), 0.01), base=base, step=8 * (base + 1), seq=0,
+                                   base_epoch=epoch), 0.0)
+
+    one = run(11, None)
+    for v in range(2):
+        assert events(step(one, v, 11), "merge")
+    ckpt1 = one.state_dict()
+    assert events(step(one, 2, 11), "merge") and one.versions[0] == 3  # lost in the crash
+    two = run(22, ckpt1)
+    for v in range(2, 4):
+        assert events(step(two, v, 22), "merge")
+    ckpt2 = two.state_dict()
+    three = run(33, ckpt2)
+    assert three.lineage == [(11, [2]), (22, [4])]
+    for epoch, base, sound in [(11, 2, True), (11, 3, False), (22, 4, True), (22, 5, False), (44, 1, False)]:
+        acts = step(three, base, epoch)
+        rejected = events(acts, "reject")
+        resets = [a for a in acts if isinstance(a, SendUpdate) and a.reset]
+        if sound:
+            assert not rejected and not resets, (epoch, base, rejected)
+        else:
+            assert rejected and "another syncer run" in rejected[0]["reason"] and resets, (epoch, base, rejected)
+
+
 def _updates(raw: Raw, fragment: int, timeout: float) -> list[dict]:
     """Update headers of ``fragment`` that reach ``raw`` within ``timeout`` (others skipped)."""
     out, end = [], time.monotonic() + timeout

@@ -321,10 +321,11 @@ class SyncerCore:
         self.versions = [0] * len(self.fragments)
         self.epoch = epoch
         """This run's epoch: stamped on every value sent (``Update.epoch``)."""
-        self.kept_versions = [-1] * len(self.fragments)
-        """Per fragment, the newest version an earlier epoch made that this run still
-        holds (set by ``load_state_dict``): a contribution of another epoch based on a
-        newer one was computed against a value lost in a crash. -1: none (a new run)."""
+        self.lineage: list[tuple[int, list[int]]] = []
+        """The earlier epochs this run's state descends from (through checkpoints), oldest
+        first, each with the versions per fragment this run kept of it: its values up to
+        those are this run's too; its later ones were lost in a crash. Set by
+        ``load_state_dict``; empty for a new run."""
         self.rounds = [_Round() for _ in self.fragments]
         self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in self.fragments]
         self.current: list[Update] = [self._snapshot(p) for p in range(len(self.fragments))]
@@ -468,6 +469,8 @@ class SyncerCore:
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
+            "epoch": self.epoch,
+            "lineage": [[e, list(kept)] for e, kept in self.lineage],
         }
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
@@ -502,7 +505,6 @@ class SyncerCore:
                     hist.setdefault(int(parts[2]), [None] * len(spec.tensors))[int(parts[3])] = value.clone()  # type: ignore[list-item]
             self.history[p] = hist
             self.versions[p] = int(meta["versions"][p])
-            self.kept_versions[p] = self.versions[p]
             self.current[p] = self._snapshot(p)
             self.rounds[p] = _Round()
         self.xi_step.value = meta["ema"]["step"]
@@ -519,6 +521,11 @@ class SyncerCore:
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
+        # The run that wrote the checkpoint made the values up to its versions; anything
+        # it made after them is lost. (Checkpoints older than epochs have no lineage.)
+        self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.get("lineage", [])]
+        if "epoch" in meta:
+            self.lineage.append((int(meta["epoch"]), [int(v) for v in meta["versions"]]))
         if self.downlink is not None:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
@@ -585,7 +592,7 @@ class SyncerCore:
             self._reject(c, now, problem, actions)
             return None
         version = self.versions[p]
-        if c.base_epoch != self.epoch and c.base_version > self.kept_versions[p]:
+        if not self._holds(c.base_epoch, p, c.base_version):
             self._reject(
                 c, now, f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), which "
                 f"this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
@@ -646,6 +653,11 @@ class SyncerCore:
             self.xi_step.add(c.step_time)
         self._check_units(c, now, actions)
         return p
+
+    def _holds(self, epoch: int, p: int, version: int) -> bool:
+        """Whether the value ``version`` of fragment ``p`` as sent in ``epoch`` is the one
+        this run has under that number (this epoch, or an ancestor up to what was kept)."""
+        return epoch == self.epoch or any(e == epoch and version <= kept[p] for e, kept in self.lineage)
 
     @staticmethod
     def _check_bounds(c: Contribution) -> str | None:
