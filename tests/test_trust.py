@@ -473,3 +473,39 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
     finally:
         b.close()
         a2.close()
+
+
+# ------------------------------------------------------------------ 6: nobody inflates the grace window
+def test_one_absurd_step_time_does_not_stretch_the_grace_window() -> None:
+    core = make_core(learners=("a", "b", "c"), K=1)
+    for lid in ("a", "b"):
+        core.handle(contrib(lid, torch.full((N,), 0.01), step_time=0.05), 0.0)
+    honest = core.grace()
+    assert 0 < honest < core.config.syncer.grace_max
+    core.handle(contrib("c", torch.full((N,), 0.01), step_time=80_000.0), 0.0)  # within MAX_STEP_TIME
+    assert core.grace() == pytest.approx(honest), "one learner's report moved the fleet's step time"
+    assert core.step_time_estimate() == pytest.approx(0.05)
+    # A checkpoint keeps the per-learner estimates, so a restart does not fall back to grace_max.
+    restored = make_core(learners=("a", "b", "c"), K=1)
+    restored.load_state_dict(*core.state_dict())
+    assert restored.grace() == pytest.approx(honest)
+
+
+def test_absurd_step_time_does_not_pin_live_rounds_at_grace_max(live) -> None:  # type: ignore[no-untyped-def]
+    svc, records, raw = live
+    honest = [Raw(svc.endpoint, f"h{i}") for i in range(2)]
+    try:
+        for h in honest:
+            h.hello()
+        raw.hello()
+        raw.send(raw.contribution(step_time=80_000.0))
+        for rnd in range(4):
+            for h in honest:
+                h.send(h.contribution(base=svc.core.versions[0], step=4 * (rnd + 1), step_time=0.001))
+                _updates(h, 0, 0.3)
+        merges = [r for r in records if r["event"] == "merge" and r["fragment"] == 0 and r["grace_s"] is not None]
+        assert merges, "no merge"
+        assert max(r["grace_s"] for r in merges[1:] or merges) < 0.05, [r["grace_s"] for r in merges]
+    finally:
+        for h in honest:
+            h.close()

@@ -332,7 +332,10 @@ class SyncerCore:
         self.members: dict[str, _Member] = {
             lid: _Member(connected=False, expected=True) for lid in sc.learners
         }
-        self.xi_step = Ema(sc.ema_decay)
+        self.step_times: dict[str, Ema] = {}
+        """Per learner, a moving average of its reported step time. The fleet's step
+        time (``step_time_estimate``) is their lower median, so no single learner, by
+        an absurd report or by being slow, can stretch every round's grace window."""
         self.xi_quorum = Ema(sc.ema_decay)
         self.xi_sync = Ema(sc.ema_decay)
         self.rejected = 0
@@ -410,14 +413,23 @@ class SyncerCore:
         slack_steps = tau, or H - tau when learners keep late progress
         (``RackmendConfig.grace_slack_steps``)."""
         sc = self.config.syncer
-        if self.xi_step.value is None:
+        xi_step = self.step_time_estimate()
+        if xi_step is None:
             return sc.grace_max
         slack = (
-            self.config.grace_slack_steps() * self.xi_step.value
+            self.config.grace_slack_steps() * xi_step
             - (self.xi_quorum.value or 0.0)
             - (self.xi_sync.value or 0.0)
         )
         return min(max(sc.grace_gamma * slack, 0.0), sc.grace_max)
+
+    def step_time_estimate(self) -> float | None:
+        """The fleet's inner-step time: the lower median of the connected learners'
+        moving averages (all known learners' when none is connected); None before any."""
+        connected = set(self.connected_learners())
+        known = {lid: e.value for lid, e in self.step_times.items() if e.value is not None}
+        values = sorted(v for lid, v in known.items() if lid in connected) or sorted(known.values())
+        return values[(len(values) - 1) // 2] if values else None
 
     def expected_learners(self) -> set[str]:
         """Learners a round waits for before ending early."""
@@ -460,7 +472,8 @@ class SyncerCore:
         meta = {
             "versions": list(self.versions),
             "optim": optim_meta,
-            "ema": {"step": self.xi_step.value, "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
+            "ema": {"step": self.step_time_estimate(), "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
+            "step_times": {lid: e.value for lid, e in sorted(self.step_times.items()) if e.value is not None},
             "rejected": self.rejected,
             "learners": sorted(self.members),
             # A restarted syncer must still refuse replays of what it merged before, and
@@ -507,7 +520,8 @@ class SyncerCore:
             self.versions[p] = int(meta["versions"][p])
             self.current[p] = self._snapshot(p)
             self.rounds[p] = _Round()
-        self.xi_step.value = meta["ema"]["step"]
+        for lid, value in meta.get("step_times", {}).items():
+            self.step_times.setdefault(lid, Ema(self.config.syncer.ema_decay)).value = float(value)
         self.xi_quorum.value = meta["ema"]["quorum"]
         self.xi_sync.value = meta["ema"]["sync"]
         self.rejected = int(meta["rejected"])
@@ -650,7 +664,7 @@ class SyncerCore:
         if rnd.first_arrival is None and c.base_version == version:
             rnd.first_arrival = now
         if c.step_time > 0:
-            self.xi_step.add(c.step_time)
+            self.step_times.setdefault(lid, Ema(self.config.syncer.ema_decay)).add(c.step_time)
         self._check_units(c, now, actions)
         return p
 
