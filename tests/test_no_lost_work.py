@@ -15,7 +15,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend import InProcessSyncer, LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.core import (
     Contribution,
     ContributionArrived,
@@ -121,6 +121,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
         syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1", "l2"), grace_max=1.0,
                             outer_optimizer="SGD", outer_lr=1.0, outer_kwargs={},
                             count_absent=False),  # plain arithmetic over what merged
+        learner=LearnerConfig(apply="overwrite"),  # the counters below restart at each apply
     )
     init = make_model()
     frags = pack_fragments(init, 1, H, config.schedule.packing)
