@@ -60,6 +60,9 @@ def reference_run(
 ) -> tuple[dict[str, nn.Module], list[list[torch.Tensor]]]:
     """Returns each learner's final model and the global value of every fragment."""
     sch, sc, lc = config.schedule, config.syncer, config.learner
+    # "auto" written out here, not taken from the library: the reference runs in lockstep,
+    # where it means overwrite.
+    rule = lc.apply if lc.apply != "auto" else ("overwrite" if config.deterministic else "keep_local")
     init = make_model()
     frags = pack_fragments(init, sch.num_fragments, sch.sync_every, sch.packing, buffers=sch.sync_buffers)
     params = lambda m, f: [{n: t for n, t, _ in model_tensors(m)}[n] for n in f.names]  # noqa: E731
@@ -103,14 +106,14 @@ def reference_run(
             _, snap, _, s_steps, s_tokens = L.sent.pop(p)
             with torch.no_grad():
                 for i, (q, value) in enumerate(zip(params(L.model, f), theta[p])):
-                    if lc.apply == "overwrite":
+                    if rule == "overwrite":
                         q.copy_(value)
-                    elif lc.apply == "mix":
+                    elif rule == "mix":
                         q.mul_(lc.mix_alpha).add_(value, alpha=1 - lc.mix_alpha)
                     else:
                         q.copy_(value + (q - snap[i]))
             L.held[p] = [v.clone() for v in theta[p]]
-            if lc.apply == "keep_local":
+            if rule == "keep_local":
                 L.c_steps[p] -= s_steps
                 L.c_tokens[p] -= s_tokens
             else:
