@@ -285,12 +285,16 @@ class MendRuntime:
     """The rackmend engine: the caller's optimizer wrapped. Its ``versions``,
     ``blocked_seconds`` and ``bytes_sent`` are this learner's numbers."""
     config: MendConfig
+    """The configuration ``mend_init`` was given."""
     diagnostics: TextIO | None = None
-    _step: int | None = None
-    _begun: dict[int, int] = field(default_factory=dict)
-    _round_of: dict[int, int] = field(default_factory=dict)
-    _applied: list[_Applied] = field(default_factory=list)
-    _names: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The open ``diagnostics_dir`` file, if any."""
+    _step: int | None = field(default=None, init=False, repr=False)
+    _begun: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """Step -> round_id given to ``outer_step_begin`` in that step."""
+    _round_of: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """Fragment -> round_id of its latest send."""
+    _applied: list[_Applied] = field(default_factory=list, init=False, repr=False)
+    _names: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._names = {n: tuple(t.shape) for n, t, _ in model_tensors(self.optimizer.model)}
