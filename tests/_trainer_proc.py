@@ -3,9 +3,13 @@
 python tests/_trainer_proc.py --endpoint tcp://127.0.0.1:PORT --id l0 --steps 24 --out result.json
 
 A small random-init causal LM (GPT-2 with tied embeddings, or Llama) from a config; no
-download. ``RackmendOptimizer`` and an LR scheduler go in through ``optimizers=``; the
-Trainer calls ``step()`` without tokens, so ``LearnerConfig.tokens_per_step`` says what
-a step is worth. Writes the Trainer's log history and the final held-out loss as JSON.
+download. ``--mode manual``: ``RackmendOptimizer`` and an LR scheduler go in through
+``optimizers=``; the Trainer calls ``step()`` without tokens, so
+``LearnerConfig.tokens_per_step`` says what a step is worth. ``--mode attach``:
+``rackmend.learner.hf.attach_to_trainer`` on a plain Trainer, with sequences of varying
+length padded per batch and gradient accumulation; the collator records each
+micro-batch's non-padding tokens (``collated``) for the test to check the counts
+against. Writes the Trainer's log history and the final held-out loss as JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +44,40 @@ class Progressions(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Ragged(Dataset):
+    """Progressions of lengths 4..SEQ: batches need padding, so tokens per step vary."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.full = Progressions(n, seed)
+        g = torch.Generator().manual_seed(seed + 7)
+        self.lengths = torch.randint(4, SEQ + 1, (n,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.full)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.full.ids[i][: self.lengths[i]]}
+
+
+class PadRecorder:
+    """Right-pads a batch (attention_mask 0, labels -100 on padding) and records its
+    non-padding tokens, counted here independently of rackmend."""
+
+    def __init__(self) -> None:
+        self.collated: list[int] = []
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        width = max(len(it["input_ids"]) for it in items)
+        ids = torch.zeros(len(items), width, dtype=torch.long)
+        mask = torch.zeros(len(items), width, dtype=torch.long)
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            ids[row, :n] = it["input_ids"]
+            mask[row, :n] = 1
+        self.collated.append(sum(len(it["input_ids"]) for it in items))
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def make_model(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -67,6 +105,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--mode", choices=("manual", "attach"), default="manual")
+    p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps (attach mode)")
     a = p.parse_args()
     torch.set_num_threads(1)
     ids = tuple(a.learners.split(","))
@@ -78,6 +118,8 @@ def main() -> int:
     )
     model = make_model(a.arch)
     start_loss = held_out_loss(model)
+    if a.mode == "attach":
+        return attach_mode(a, ids, model, start_loss)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     opt = RackmendOptimizer(model, inner, config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.95**s)
@@ -92,6 +134,34 @@ def main() -> int:
     a.out.write_text(json.dumps({
         "log_history": trainer.state.log_history, "start_loss": start_loss, "end_loss": held_out_loss(model),
         "versions": opt.versions, "step": opt.step_count, "lr": inner.param_groups[0]["lr"],
+    }))
+    return 0
+
+
+def attach_mode(a: argparse.Namespace, ids: tuple[str, ...], model: torch.nn.Module, start_loss: float) -> int:
+    from rackmend.learner.hf import attach_to_trainer
+
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
+        syncer=SyncerConfig(min_quorum=len(ids), learners=ids),
+        learner=LearnerConfig(wait_timeout=60),
+        deterministic=True,
+    )
+    seed = int(a.id.lstrip("l"))
+    collator = PadRecorder()
+    args = transformers.TrainingArguments(
+        output_dir=str(a.out.parent / f"trainer-{a.id}"), max_steps=a.steps, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=a.accumulate, learning_rate=3e-3, logging_steps=4, report_to="none",
+        save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=seed)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Ragged(512, seed=seed),
+                                   data_collator=collator)
+    opt = attach_to_trainer(trainer, config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
+    trainer.train()
+    opt.close()
+    a.out.write_text(json.dumps({
+        "log_history": trainer.state.log_history, "start_loss": start_loss, "end_loss": held_out_loss(model),
+        "versions": opt.versions, "step": opt.step_count, "collated": collator.collated,
+        "inner": type(opt.inner).__name__,
     }))
     return 0
 

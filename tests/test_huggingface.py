@@ -45,3 +45,70 @@ def test_trainer_racks_train_through_a_syncer_with_token_weights(procs: Procs, t
         assert result["lr"] == pytest.approx(3e-3 * 0.95**steps), "the scheduler did not drive the inner optimizer"
         assert any("loss" in entry for entry in result["log_history"])
         assert result["end_loss"] < result["start_loss"] - 0.3, result
+
+
+def _expected_tokens(step_tokens: list[int], offset: int, H: int, tau: int, steps: int) -> list[int]:
+    """Per send of one fragment, the tokens it reports in deterministic mode: the steps
+    since the previous merged value was applied (at t_send + tau, counters reset after
+    that step's count), the first send counting from step 1."""
+    out, start = [], 1
+    for t in range(1, steps + 1):
+        if (t - offset) % H == 0:
+            out.append(sum(step_tokens[start - 1:t]))
+            start = t + tau + 1
+    return out
+
+
+def test_attach_to_trainer_counts_batch_tokens_and_logs_merges(procs: Procs, tmp_path: Path) -> None:
+    """A plain Trainer (its own AdamW and scheduler from TrainingArguments) with
+    ``attach_to_trainer``, ragged batches padded per batch, 2 micro-batches a step: every
+    merge reports exactly the non-padding tokens the collator saw in its window, and the
+    Trainer's log history carries the merges."""
+    from rackmend.core.fragments import fragment_offsets
+
+    ids, steps, accumulate, H, P, tau = ["l0", "l1"], 16, 2, 4, 2, 1
+    _, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                               "--overlap", str(tau))
+    racks = {lid: procs.start([*TRAINER, "--endpoint", endpoint, "--id", lid, "--learners", ",".join(ids),
+                               "--steps", str(steps), "--mode", "attach", "--accumulate", str(accumulate),
+                               "--out", str(tmp_path / f"{lid}.json")], lid)
+             for lid in ids}
+    for lid, proc in racks.items():
+        finish(proc, procs, lid, timeout=240)
+    results = {lid: json.loads((tmp_path / f"{lid}.json").read_text()) for lid in ids}
+    step_tokens = {}
+    for lid, r in results.items():
+        assert r["inner"] == "AdamW" and r["step"] == steps
+        micro = r["collated"][: steps * accumulate]  # the loader may have collated one batch ahead
+        step_tokens[lid] = [sum(micro[i:i + accumulate]) for i in range(0, len(micro), accumulate)]
+        assert len(set(step_tokens[lid])) > 1, "batches were not ragged: the test would not tell counts apart"
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    for p, offset in enumerate(fragment_offsets(P, H)):
+        got = [e for e in merges if e["fragment"] == p]
+        assert got and all(e["merged"] == ids for e in got)
+        for lid in ids:
+            assert [e["tokens"][lid] for e in got] == _expected_tokens(step_tokens[lid], offset, H, tau, steps)
+    assert not [e for e in events(tmp_path) if e["event"] in ("token_units", "reject", "bad_message")]
+    for lid, r in results.items():
+        logged = [entry for entry in r["log_history"] if "rackmend/merges" in entry]
+        assert logged and all("loss" in e or "train_runtime" in e for e in logged), "figures outside Trainer logs"
+        applied = sum(1 for p, o in enumerate(fragment_offsets(P, H))
+                      for t in range(1, steps + 1) if (t - o) % H == 0 and t + tau <= steps)
+        assert sum(e["rackmend/merges"] for e in logged) == applied
+        assert logged[-1]["rackmend/merges_total"] == applied
+        assert all(e["rackmend/staleness"] == 0 for e in logged)
+        assert sum(e["rackmend/tokens"] for e in logged) == sum(step_tokens[lid])
+        assert r["end_loss"] < r["start_loss"], r  # it trained (few steps, decaying LR: no margin asked)
+
+
+def test_transformers_stays_optional() -> None:
+    """``import rackmend`` does not load transformers, and the Trainer module without
+    transformers fails at import with what to install."""
+    import subprocess
+
+    probe = ("import sys; import rackmend, rackmend.compat.tsugi; assert 'transformers' not in sys.modules; "
+             "sys.modules['transformers'] = None\n"
+             "try:\n    import rackmend.learner.hf\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs the Hugging Face transformers package: pip install transformers" in out.stdout

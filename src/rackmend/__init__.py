@@ -5,6 +5,8 @@ with a syncer that merges whatever arrived (Decoupled DiLoCo). Layout:
 
 - ``rackmend.core``: sans-I/O algorithm (fragments, merge, syncer state machine)
 - ``rackmend.learner``: the optimizer wrapper used in a training loop
+  (``rackmend.learner.hf``: the Hugging Face ``Trainer`` hook-up, imported on demand)
+- ``rackmend.compat``: the earlier tsugi-mend SDK's API over rackmend (docs/migration.md)
 - ``rackmend.transport``: carriers between learners and syncer
 - ``rackmend.workloads``: a small byte-level GPT and a built-in corpus for demos/tests
 - ``rackmend.demo`` / ``rackmend.cli``: the ``rackmend`` command

@@ -171,6 +171,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._gain_to_report: dict[int, float] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
+        self.version_lags: list[int] = [0] * n
+        """Per fragment, for the last merged value applied: how many versions it lies beyond
+        the next one after the value held before (0: the very next version; more: merges
+        happened in between, e.g. this learner's contribution came late). Counted within
+        one syncer epoch; a value of a new epoch counts 0."""
         self._join()
 
     # ---------------------------------------------------------- optimizer contract
@@ -359,6 +364,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         # rides along with the next round instead of opening a round of its own.
         self._last_step_end = time.perf_counter()
 
+    @property
+    def fragments_in_flight(self) -> tuple[int, ...]:
+        """Fragments sent and not yet answered by an applied merged value, ascending."""
+        return tuple(sorted(self._pending))
+
     def owns(self, p: int) -> bool:
         """Whether this rank sends and receives fragment p."""
         return p % self.world_size == self.rank
@@ -545,6 +555,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 assert pend.snapshot is not None
                 progress = param - pend.snapshot[i].to(param.device)
                 param.copy_(value + progress)
+        same_epoch = upd.epoch == self.epochs[p]
+        self.version_lags[p] = max(0, upd.version - self.versions[p] - 1) if same_epoch else 0
         self.held[p] = list(upd.tensors)
         self.versions[p] = upd.version
         self.epochs[p] = upd.epoch

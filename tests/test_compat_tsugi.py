@@ -1,0 +1,155 @@
+"""The tsugi-mend SDK's API over rackmend (``rackmend.compat.tsugi``): the SDK's quickstart
+in two learner processes against a real ``rackmend syncer`` equals the reference bit for
+bit; settings are mapped as docs/migration.md says; misuse fails loudly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rackmend.compat.tsugi import MendConfig, get_runtime, mend_init, mend_shutdown
+from rackmend.config import ConfigError
+from rackmend.core.fragments import fragment_offsets
+from rackmend.service.cli import add_syncer_arguments, build, resolve
+from rackmend.transport import InProcessSyncer
+
+from helpers import batch, make_inner, make_model
+from procs import HERE, Procs, events, finish
+from reference import reference_run
+
+TSUGI = [sys.executable, str(HERE / "_tsugi_proc.py")]
+
+
+def test_the_sdks_quickstart_in_two_processes_equals_the_reference(procs: Procs, tmp_path: Path) -> None:
+    ids, H, P, steps = ["l0", "l1"], 3, 2, 12
+    config = MendConfig(quorum_min_learners=2, grace_window_ms=2000, token_weighted_merge=True, sync_period_steps=H,
+                        concurrent_outer_step=True, num_fragments=P, deterministic=True)
+    _, endpoint = procs.syncer(*config.syncer_flags(ids))
+    racks = {lid: procs.start([*TSUGI, "--endpoint", endpoint, "--id", lid, "--learners", ",".join(ids),
+                               "--steps", str(steps), "--H", str(H), "--P", str(P), "--out", str(tmp_path)], lid)
+             for lid in ids}
+    for lid, proc in racks.items():
+        finish(proc, procs, lid, timeout=120)
+
+    torch.set_num_threads(1)
+    ref_models, _ = reference_run(make_model, make_inner, batch, config.to_rackmend(tuple(ids)), ids, steps)
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref_models[lid].state_dict().items():
+            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
+    assert all(e["weights"]["l0"] != e["weights"]["l1"] for e in merges), "token weights were not used"
+
+    # What outer_step_collect returned: every merged value applied at t_send + tau, in
+    # the step after it (collect runs before step_end), labelled with the send's round.
+    tau = config.overlap
+    expected = []
+    for p, offset in enumerate(fragment_offsets(P, H)):
+        sends = [t for t in range(1, steps + 1) if (t - offset) % H == 0]
+        for k, t in enumerate(sends):
+            applied_step = t + tau - 1  # 0-based step whose step_end applied it
+            if applied_step < steps - 1:
+                expected.append({"round_id": t - 1, "fragments": [p], "versions": [k + 1], "staleness": 0,
+                                 "step": applied_step, "delta_len": 0})
+    expected.sort(key=lambda r: r["step"])
+    for lid in ids:
+        out = json.loads((tmp_path / f"{lid}.json").read_text())
+        got_results = [{k: v for k, v in r.items() if k != "loss"} for r in out["results"]]
+        assert got_results == expected
+        diag = [json.loads(line) for line in (tmp_path / "mend_diag" / f"{lid}.jsonl").read_text().splitlines()]
+        assert [(d["fragment"], d["version"]) for d in diag] == [
+            (r["fragments"][0], r["versions"][0]) for r in expected] + [(1, 4)], "diagnostics miss a merge"
+
+
+def _syncer_config(flags: list[str]):
+    p = argparse.ArgumentParser()
+    add_syncer_arguments(p)
+    return build(resolve(p.parse_args(flags), {}))[0]
+
+
+def test_settings_map_to_rackmends_and_the_syncer_flags_agree() -> None:
+    c = MendConfig(quorum_min_learners=2, grace_window_ms=1500, token_weighted_merge=False, sync_period_steps=16,
+                   concurrent_outer_step=True, compression="int8")
+    r = c.to_rackmend(("a", "b"))
+    assert (r.schedule.sync_every, r.schedule.num_fragments, r.schedule.overlap) == (16, 1, 2)
+    assert (r.syncer.min_quorum, r.syncer.grace_max, r.syncer.weighting) == (2, 1.5, "uniform")
+    assert r.compression.uplink == "int8" and not r.deterministic
+    s = _syncer_config(c.syncer_flags(("a", "b")))
+    for name in ("min_quorum", "grace_max", "weighting", "learners"):
+        assert getattr(s.syncer, name) == getattr(r.syncer, name), name
+    assert s.schedule.overlap == r.schedule.overlap and s.deterministic == r.deterministic
+    assert MendConfig(sync_period_steps=1).overlap == 0, "tau must stay below H"
+    assert MendConfig(concurrent_outer_step=False).overlap == 0
+    assert MendConfig(token_weighted_merge=True).to_rackmend().syncer.weighting == "tokens_sq_per_step"
+    assert "--deterministic" in MendConfig(deterministic=True).syncer_flags(("a",))
+
+
+@pytest.mark.parametrize("field,fix", [("des_loc", "des_loc=False"), ("async_tp", "async TP"),
+                                       ("fail_slow_detection", "--log")])
+def test_settings_rackmend_cannot_honour_are_refused_with_the_alternative(field: str, fix: str) -> None:
+    with pytest.raises(ConfigError, match=f"MendConfig.{field}=True") as info:
+        MendConfig(**{field: True})
+    assert fix in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"quorum_min_learners": 0}, "quorum_min_learners must be >= 1"),
+    ({"grace_window_ms": -1}, "grace_window_ms"),
+    ({"sync_period_steps": 0}, "sync_period_steps must be >= 1"),
+    ({"concurrent_outer_step": False, "overlap_steps": 2}, "concurrent_outer_step=False"),
+    ({"sync_period_steps": 4, "overlap_steps": 4}, "sync_period_steps"),
+    ({"compression": "int3"}, "compression"),
+])
+def test_bad_values_are_refused_in_the_sdks_words(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MendConfig(**kwargs)
+
+
+def test_misuse_fails_loudly_and_the_delta_is_not_handed_out_twice(one_thread: None) -> None:
+    config = MendConfig(sync_period_steps=2, num_fragments=1, concurrent_outer_step=False, deterministic=True,
+                        wait_timeout_s=20, tokens_per_step=12)
+    model = make_model()
+    with pytest.raises(RuntimeError, match="call mend_init"):
+        get_runtime(model)
+    hub = InProcessSyncer.for_model(config.to_rackmend(("l0",)), make_model())
+    try:
+        mend_init(model, config, learner_id="l0", link=hub.connect(), learners=("l0",))
+        with pytest.raises(RuntimeError, match="already called"):
+            mend_init(model, config, learner_id="l0", link=hub.connect())
+        rt = get_runtime(model)
+        with pytest.raises(RuntimeError, match="step_begin\\(1\\) but the runtime is at step 0"):
+            rt.step_begin(1)
+        rt.step_begin(0)
+        with pytest.raises(RuntimeError, match="no fragment leaves after it"):
+            rt.outer_step_begin(round_id=0, fragment_provider={"head.weight": torch.zeros(17, 8)})
+        rt.step_end(0)
+        rt.step_begin(1)
+        assert rt.schedule_for(1).should_sync_params
+        with pytest.raises(ValueError, match="'head.bias' with shape \\[3\\]"):
+            rt.outer_step_begin(round_id=1, fragment_provider=lambda: {"head.bias": torch.zeros(3)})
+        with pytest.raises(ValueError, match="does not synchronise"):
+            rt.outer_step_begin(round_id=1, fragment_provider={"nope": torch.zeros(3)})
+        rt.outer_step_begin(round_id=41, fragment_provider=lambda: dict(model.named_parameters()))
+        with pytest.raises(RuntimeError, match="built without the caller.s optimizer"):
+            rt.optimizer.step()
+        rt.step_end(1)  # tau = 0, deterministic: applied at once
+        result = rt.outer_step_collect()
+        assert result is not None and (result.round_id, result.fragments, result.versions) == (41, (0,), (1,))
+        assert len(result.merged_delta) == 0 and list(result.merged_delta.items()) == []
+        with pytest.raises(KeyError, match="already applied"):
+            result.merged_delta["head.weight"]
+        assert rt.outer_step_collect() is None
+        assert not rt.outer_step_in_flight()
+        merged = [e for e in hub.merges()]
+        assert merged and merged[0]["tokens"] == {"l0": 24.0}, "tokens_per_step did not reach the merge"
+    finally:
+        mend_shutdown(model)
+        hub.close()
+    mend_shutdown(model)  # a second call does nothing
