@@ -287,9 +287,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {alias}: tied to {source} (its global value)")
     for key, why in result.filled.items():
         print(f"  {key}: {why}")
-    if not result.checked_against_model:
+    if result.checked_against_model:
+        print(f"checked against {args.model}: the file has exactly its state_dict keys, shapes and dtypes "
+              "(load_state_dict(strict=True) accepts it)")
+    else:
         print("note: the file holds what rackmend synchronises (trainable parameters, floating buffers). If the "
-              "model also has tied weights, frozen parameters or integer buffers (BatchNorm's "
-              "num_batches_tracked), load_state_dict(strict=True) reports them missing: pass --model "
-              "MODULE:CALLABLE to fill and check them, or load with strict=False and check the missing keys.")
+              "model also has tied weights or frozen parameters, load_state_dict(strict=True) reports them "
+              "missing; integer buffers (BatchNorm's num_batches_tracked) are not synchronised either (BatchNorm "
+              "sets a missing one to 0). Pass --model MODULE:CALLABLE to fill and check them, or load with "
+              "strict=False and check the missing keys.")
     return 0
