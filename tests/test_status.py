@@ -46,7 +46,7 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
     held = tmp_path / "l0.held.safetensors"
     # l1 is a torchrun job of two ranks: each carries the fragments p = rank (mod 2). It
     # starts first and runs longer, so both are connected while the status is asked.
-    b = procs.start([*TORCHRUN, *LEARNER[1:], "--endpoint", endpoint, "--id", "l1", "--steps", "400", *common,
+    b = procs.start([*TORCHRUN, *LEARNER[1:], "--endpoint", endpoint, "--id", "l1", "--steps", "900", *common,
                      "--progress", str(pb)], "l1")
     wait_for(lambda: progress(pb)[0] >= 5, 90, "l1 to take 5 steps", (b,))
     a = procs.learner(endpoint, "l0", "--steps", "150", *common, "--progress", str(pa), "--held-out", str(held))
@@ -88,7 +88,8 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
         p = entry["fragment"]
         assert entry["base_version"] <= held_versions[p] <= final[p], (entry, held_versions, final)
     assert [e["fragment"] for e in by_id["l0"]["based_on"]] == list(range(P))
-    assert by_id["l0"]["step"] == 150 and by_id["l1"]["step"] == 400  # their last sends: step 150 and 400
+    assert by_id["l0"]["step"] == 150  # its last send: fragment 0 at step 150
+    assert by_id["l1"]["step"] in (898, 900)  # rank 1's last send (fragment 1) or rank 0's (fragment 0)
 
 def test_status_obeys_the_syncers_curve_keys(procs: Procs, tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
@@ -100,7 +101,7 @@ def test_status_obeys_the_syncers_curve_keys(procs: Procs, tmp_path: Path) -> No
         (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
     _, endpoint = procs.syncer("--secret-key", str(keys / "syncer.key_secret"), "--allowed-keys", str(allowed),
                                "--learners", "l0", "--grace-max", "0.2")
-    learner = procs.learner(endpoint, "l0", "--steps", "400", "--step-sleep", "0.02", "--progress",
+    learner = procs.learner(endpoint, "l0", "--steps", "100000", "--step-sleep", "0.02", "--progress",
                             str(tmp_path / "l0.progress"), "--keys", str(keys / "l0.key"),
                             str(keys / "l0.key_secret"), str(keys / "syncer.key"))
     wait_for(lambda: progress(tmp_path / "l0.progress")[0] >= 5, 60, "l0 to train", (learner,))
@@ -118,7 +119,8 @@ def test_status_obeys_the_syncers_curve_keys(procs: Procs, tmp_path: Path) -> No
         assert "no answer from the syncer" in err and "within 2s" in err and "--key" in err, err
         assert "Traceback" not in err
     assert any(e["event"] == "auth_denied" for e in events(tmp_path)), "the refused key was not logged"
-    assert learner.poll() is None, "the learner stopped while status requests were refused"
+    step = progress(tmp_path / "l0.progress")[0]
+    wait_for(lambda: progress(tmp_path / "l0.progress")[0] >= step + 5, 30, "l0 to train on", (learner,))
 
 
 def test_bad_status_requests_are_answered_and_the_asker_is_no_learner(tmp_path: Path) -> None:
