@@ -1,4 +1,5 @@
-"""Shared pieces of the test suite: a tiny language model, its data, an in-process run."""
+"""Shared pieces of the test suite: a tiny language model, its data, an in-process run,
+a served syncer and a raw DEALER socket for protocol-level tests."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import threading
 import time
 from typing import Callable
 
+import msgpack
 import torch
 import torch.nn.functional as F
+import zmq
 from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
@@ -146,3 +149,32 @@ def run_threads(target: Callable[..., None], argsets: list[tuple], timeout: floa
     if errors:
         raise errors[0]
     assert not any(th.is_alive() for th in threads), f"threads still running after {timeout}s"
+
+
+class Dealer:
+    """A raw learner socket for protocol-level tests; closed by the test that opened it."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout: float) -> dict | None:
+        """The next header from the syncer within ``timeout`` seconds, or None."""
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return msgpack.unpackb(self.sock.recv_multipart()[0])
+
+    def recv_type(self, kind: str, timeout: float) -> dict | None:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            h = self.recv(left)
+            if h is not None and h["type"] == kind:
+                return h
+        return None
+
+    def close(self) -> None:
+        self.sock.close()

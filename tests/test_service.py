@@ -11,10 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
-import zmq
 from safetensors.torch import load_file
 
 from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
@@ -25,7 +23,7 @@ from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model, serving, train
+from helpers import Dealer, batch, make_inner, make_model, serving, train
 from reference import reference_run
 
 from procs import LEARNER, TORCHRUN, Procs, events, finish, progress, wait_for
@@ -224,35 +222,6 @@ def _hello(lid: str, settings: dict, *, H: int = H_DEFAULT, P: int = P_DEFAULT) 
     frags = pack_fragments(make_model(), P, H)
     return wire.encode({"type": "hello", "learner": lid, "rank": 0, "world": 1, "layout": layout_to_wire(frags),
                         "fingerprint": fingerprint(frags), "settings": settings})
-
-
-class Dealer:
-    """A raw learner socket for protocol-level tests; closed by the test that opened it."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def send(self, frames: list) -> None:
-        self.sock.send_multipart(frames, copy=False)
-
-    def recv(self, timeout: float) -> dict | None:
-        """The next header from the syncer within ``timeout`` seconds, or None."""
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        return msgpack.unpackb(self.sock.recv_multipart()[0])
-
-    def recv_type(self, kind: str, timeout: float) -> dict | None:
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            h = self.recv(left)
-            if h is not None and h["type"] == kind:
-                return h
-        return None
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _free_port() -> int:

@@ -9,6 +9,7 @@ with a syncer that merges whatever arrived (Decoupled DiLoCo). Layout:
 - ``rackmend.compat``: the earlier tsugi-mend SDK's API over rackmend (docs/migration.md)
 - ``rackmend.transport``: carriers between learners and syncer
 - ``rackmend.workloads``: a small byte-level GPT and a built-in corpus for demos/tests
+- ``rackmend.service``: the syncer service, its checkpoints and ``export_model``
 - ``rackmend.demo`` / ``rackmend.cli``: the ``rackmend`` command
 """
 
@@ -22,6 +23,7 @@ from rackmend.config import (
 )
 from rackmend.core import FragmentSpec, SyncerCore, pack_fragments
 from rackmend.learner import RackmendOptimizer
+from rackmend.service.export import ExportError, ExportResult, export_model
 from rackmend.transport import InProcessSyncer, ZmqLink
 
 __version__ = "0.1.0"
@@ -37,6 +39,9 @@ __all__ = [
     "SyncerCore",
     "pack_fragments",
     "RackmendOptimizer",
+    "export_model",
+    "ExportError",
+    "ExportResult",
     "InProcessSyncer",
     "ZmqLink",
     "__version__",

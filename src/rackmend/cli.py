@@ -31,6 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("keygen", help="write a CurveZMQ key pair for the syncer or a learner")
     service_cli.add_keygen_arguments(p)
     p.set_defaults(run=service_cli.keygen_main)
+    from rackmend.service import status
+
+    p = sub.add_parser("status", help="live view of a running syncer: learners and rounds (--once --json: scripts)",
+                       description=status.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    status.add_arguments(p)
+    p.set_defaults(run=status.main)
+    from rackmend.service import export
+
+    p = sub.add_parser("export", help="write the global model of a syncer checkpoint as model.safetensors",
+                       description=export.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_arguments(p)
+    p.set_defaults(run=export.main)
     from rackmend.netem import cli as link_cli
 
     p = sub.add_parser("link", help="emulate a WAN link: a TCP proxy with bandwidth, latency, jitter, outages",

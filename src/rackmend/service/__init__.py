@@ -1,4 +1,6 @@
-"""The syncer as a network service (ZeroMQ ROUTER, membership, checkpoints, Curve).
+"""The syncer as a network service (ZeroMQ ROUTER, membership, checkpoints, Curve),
+and the commands around it: ``status`` (live view of a running syncer) and ``export``
+(the global model of a checkpoint as a model file).
 
 The round logic lives in ``rackmend.core``; the wire format in ``rackmend.transport.wire``.
 """

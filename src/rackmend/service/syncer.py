@@ -6,6 +6,11 @@ the bytes' format and validation in ``rackmend.transport.wire``.
 
 One thread, one loop: poll the socket until the next grace deadline, heartbeat
 check or stop request, feed what arrived to the core, carry out its actions.
+
+It also answers read-only ``status`` requests (``rackmend status``) from what it
+tracks per learner (ranks, state, bytes, step time, version lag) and per fragment;
+such a client passes the same Curve authentication as a learner but never becomes a
+member of a round.
 """
 
 from __future__ import annotations
@@ -160,6 +165,33 @@ class _Peer:
 
 
 @dataclass
+class _LearnerStats:
+    """What ``status`` reports about one learner id (all its ranks together)."""
+
+    state: str
+    """joining (waiting for the first learner's initial values), connected, left, silent."""
+    first_seen: float
+    last_seen: float
+    bytes_in: int = 0
+    bytes_out: int = 0
+    contributions: int = 0
+    rejected: int = 0
+    step: int | None = None
+    """Inner step count of its newest contribution."""
+    step_time: float | None = None
+    """Mean seconds per inner step its newest contribution reported."""
+    last_contribution: float | None = None
+    based: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per fragment: (base_version of its newest contribution, how many versions behind
+    the syncer's that base was when the contribution arrived)."""
+
+
+def _nbytes(frames: list[Any]) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f.buffer) if isinstance(f, zmq.Frame) else len(f)
+               for f in frames)
+
+
+@dataclass
 class _Pending:
     """Layout offered by the first learner while its initial values are on the way."""
 
@@ -191,6 +223,14 @@ class SyncerService:
         self._first: tuple[str, LearnerSettings] | None = None
         """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
         self._uplink_noted: set[str] = set()
+        self.started_at = clock()
+        self.status_requests = 0
+        """Read-only ``status`` requests answered."""
+        self._stats: dict[str, _LearnerStats] = {}
+        self._ident_learner: dict[bytes, str] = {}
+        """Connection -> learner id, kept after a peer is dropped (its last sends still count)."""
+        self._last_merge: dict[int, dict[str, Any]] = {}
+        self._checkpoint_at: float | None = None
         self._stop = threading.Event()
         self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
         self._log_lock = threading.Lock()  # the authenticator's thread logs refusals too
@@ -266,13 +306,29 @@ class SyncerService:
     # ------------------------------------------------------------------ messages
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident, body = frames[0].bytes, frames[1:]
+        msg: wire.Message | None = None
         try:
-            msg = wire.decode_header(body, wire.LEARNER_TYPES, self.service.max_message_bytes)
+            msg = wire.decode_header(body, wire.SYNCER_RECEIVES, self.service.max_message_bytes)
+            if msg.type == "status":
+                self._answer_status(ident, msg)
+                return
             self._handle(ident, msg)
         except wire.WireError as exc:
             self.rejected_messages += 1
             self._event("bad_message", peer=ident.hex(), reason=str(exc))
             self._send(ident, wire.encode({"type": "error", "code": "bad_message", "reason": str(exc)}))
+        finally:
+            stats = self._stats.get(msg.header.get("learner", "")) if msg is not None else None
+            if stats is not None:  # only ids that passed a hello: a stranger cannot grow this table
+                stats.bytes_in += _nbytes(body)
+                stats.last_seen = self.clock()
+
+    def _answer_status(self, ident: bytes, msg: wire.Message) -> None:
+        """Read-only: answered from the current state, the asker never becomes a peer
+        (each request is not logged: a refreshing view asks every second)."""
+        nonce = wire.parse_status_request(msg)
+        self.status_requests += 1
+        self._send(ident, wire.status_reply_frames(nonce, self.status()))
 
     def _handle(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header
@@ -300,6 +356,7 @@ class SyncerService:
             del self.peers[ident]
             self._send(ident, wire.encode({"type": "bye"}))  # lets the learner exit knowing it was heard
             if not self._ranks_of(lid):
+                self._stats[lid].state = "left"
                 self._drive(LearnerLeft(lid, "leave"))
             return
         if msg.type == "fetch":
@@ -314,6 +371,11 @@ class SyncerService:
         assert msg.type == "contrib" and self.core is not None
         contribution = wire.parse_contribution(msg, self.core.fragments)
         self._send(ident, wire.ack_frames(contribution.fragment))  # received, whatever the core decides
+        stats = self._stats[lid]
+        p = contribution.fragment
+        stats.contributions += 1
+        stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
+        stats.based[p] = (contribution.base_version, self.core.versions[p] - contribution.base_version)
         self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message) -> None:
@@ -321,6 +383,9 @@ class SyncerService:
         lid, rank, layout = hello.learner_id, hello.rank, hello.layout
         if not self._settings_agree(ident, hello):
             return
+        now = self.clock()
+        stats = self._stats.setdefault(lid, _LearnerStats(state="joining", first_seen=now, last_seen=now))
+        self._ident_learner[ident] = lid
         if self.core is None:
             if self._pending is None:
                 self._pending = _Pending(layout, ident, lid, hello.settings, self.clock())
@@ -334,6 +399,7 @@ class SyncerService:
             if peer.learner_id == lid and peer.rank == rank and other != ident:
                 del self.peers[other]  # the same rank came back under a new connection
         self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock())
+        stats.state = "connected"
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
@@ -470,11 +536,16 @@ class SyncerService:
             elif isinstance(action, LogRecord):
                 self._record(action.record)
                 if action.record["event"] == "reject":
+                    if action.record["learner"] in self._stats:
+                        self._stats[action.record["learner"]].rejected += 1
                     reason = f"contribution rejected: {action.record['reason']}"
                     for ident in self._ranks_of(action.record["learner"]):
                         self._send(ident, wire.encode({"type": "error", "code": "rejected", "reason": reason}))
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
+                    self._last_merge[action.record["fragment"]] = {
+                        "t": action.record["t"], "version": action.record["version"],
+                        "merged": list(action.record["merged"])}
         if merged:
             seconds = (self.clock() - t0) / len(merged)
             for p in merged:
@@ -494,8 +565,11 @@ class SyncerService:
                 del self.peers[ident]
                 self._event("silent", learner=peer.learner_id, rank=peer.rank,
                             seconds=round(now - peer.last_seen, 3))
-                if not self._ranks_of(peer.learner_id) and self.core is not None:
-                    self._drive(LearnerLeft(peer.learner_id, "silent"))
+                if not self._ranks_of(peer.learner_id):
+                    if peer.learner_id in self._stats:
+                        self._stats[peer.learner_id].state = "silent"
+                    if self.core is not None:
+                        self._drive(LearnerLeft(peer.learner_id, "silent"))
 
     def _send(self, ident: bytes, frames: list[Any]) -> None:
         """A control message (error, bye, init_request): queued in order, never replaced."""
@@ -519,14 +593,23 @@ class SyncerService:
         box = self._outboxes.get(ident)
         if box is None:
             return
+        stats = self._stats.get(self._ident_learner.get(ident, ""))
+
+        def send(frames: list[Any]) -> None:
+            self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+            if stats is not None:
+                stats.bytes_out += _nbytes(frames)
+
         try:
-            done = box.flush(lambda frames: self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK))
+            done = box.flush(send)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; its messages have nowhere to go
             self._event("send_dropped", peer=ident.hex(), reason=exc.strerror)
             del self._outboxes[ident]
             return
         if done and ident not in self.peers:  # gone: nothing it has not acknowledged matters now
             del self._outboxes[ident]
+            if not any(i == ident for i, _ in (self._pending.waiting if self._pending else ())):
+                self._ident_learner.pop(ident, None)
 
     # ------------------------------------------------------------------ state
     def checkpoint(self) -> Path | None:
@@ -538,8 +621,77 @@ class SyncerService:
         if self._first is not None:
             meta["first_learner"] = {"learner": self._first[0], "settings": self._first[1].to_wire()}
         path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
+        self._checkpoint_at = self.clock()
         self._event("checkpoint", path=str(path), versions=list(self.core.versions))
         return path
+
+    def status(self) -> dict[str, Any]:
+        """What ``rackmend status`` shows: the syncer, every fragment's round and every
+        learner seen (or expected), as plain values. Ages and durations in seconds."""
+        now = self.clock()
+        core = self.core
+
+        def age(t: float | None) -> float | None:
+            return None if t is None else round(now - t, 3)
+
+        syncer: dict[str, Any] = {
+            "endpoint": self.endpoint,
+            "state": "running" if core is not None else "initialising" if self._pending else "waiting for a learner",
+            "uptime_s": age(self.started_at),
+            "protocol": wire.PROTOCOL_VERSION,
+            "merges": self.merges,
+            "rejected_messages": self.rejected_messages,
+            "rejected_contributions": core.rejected if core is not None else 0,
+            "superseded_updates": self.superseded_updates,
+            "deterministic": self.config.deterministic,
+            "min_quorum": self.config.syncer.min_quorum,
+            "grace_s": round(core.grace(), 4) if core is not None else None,
+            "curve": bool(self.service.secret_key_file),
+            "checkpoint_age_s": age(self._checkpoint_at),
+            "status_requests": self.status_requests,
+        }
+        fragments: list[dict[str, Any]] = []
+        for p, spec in enumerate(core.fragments if core is not None else ()):
+            assert core is not None
+            rnd, last = core.rounds[p], self._last_merge.get(p)
+            fragments.append({
+                "fragment": p,
+                "version": core.versions[p],
+                "tensors": len(spec.tensors),
+                "bytes": spec.nbytes,
+                "waiting": sorted(rnd.pending),
+                "fresh": sorted(lid for lid, c in rnd.pending.items() if c.base_version == core.versions[p]),
+                "round_age_s": age(rnd.first_arrival),
+                "grace_left_s": None if rnd.deadline is None else round(rnd.deadline - now, 3),
+                "last_merge_age_s": age(last["t"]) if last else None,
+                "last_merged": last["merged"] if last else [],
+            })
+        learners: list[dict[str, Any]] = []
+        members = core.members if core is not None else {}
+        for lid in sorted(set(self._stats) | set(members) | set(self.config.syncer.learners)):
+            st = self._stats.get(lid)
+            ranks = sorted(peer.rank for peer in self.peers.values() if peer.learner_id == lid)
+            worlds = {peer.world for peer in self.peers.values() if peer.learner_id == lid}
+            member = members.get(lid)
+            learners.append({
+                "id": lid,
+                "state": st.state if st is not None else "never joined",
+                "ranks": ranks,
+                "world": max(worlds) if worlds else None,
+                "expected": bool(member.expected) if member is not None else lid in self.config.syncer.learners,
+                "last_seen_s": age(st.last_seen) if st else None,
+                "step": st.step if st else None,
+                "step_time_s": st.step_time if st else None,
+                "last_contribution_s": age(st.last_contribution) if st else None,
+                "contributions": st.contributions if st else 0,
+                "rejected": st.rejected if st else 0,
+                "version_lag": max((lag for _, lag in st.based.values()), default=None) if st else None,
+                "based_on": [{"fragment": p, "base_version": b, "lag": lag} for p, (b, lag) in sorted(st.based.items())]
+                if st else [],
+                "bytes_in": st.bytes_in if st else 0,
+                "bytes_out": st.bytes_out if st else 0,
+            })
+        return {"syncer": syncer, "fragments": fragments, "learners": learners}
 
     def _resume(self) -> None:
         loaded = load_checkpoint(self.service.checkpoint_dir or "")

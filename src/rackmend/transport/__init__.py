@@ -1,7 +1,8 @@
 """Transports: how contributions and updates travel between learners and the syncer.
 
 ``base`` defines the learner-side contract; ``inprocess`` carries messages through
-queues inside one Python process; ``zmq_link`` reaches a ``rackmend syncer`` service.
+queues inside one Python process; ``zmq_link`` reaches a ``rackmend syncer`` service;
+``status`` asks a running syncer for its read-only status (``rackmend status``).
 """
 
 from rackmend.transport.base import LearnerLink, TransportError

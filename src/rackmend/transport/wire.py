@@ -48,6 +48,10 @@ __all__ = [
     "parse_contribution",
     "parse_tensors",
     "parse_encoded",
+    "status_request_frames",
+    "parse_status_request",
+    "status_reply_frames",
+    "parse_status_reply",
     "layout_to_wire",
     "layout_from_wire",
 ]
@@ -75,6 +79,14 @@ MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
 SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
+CLIENT_TYPES = ("status",)
+"""Read-only requests of a client that is not a learner (``rackmend status``): no
+learner id, no rank, never a member of a round."""
+SYNCER_RECEIVES = LEARNER_TYPES + CLIENT_TYPES
+"""What the syncer's socket accepts: learners' messages and read-only client requests."""
+STATUS_REPLY_TYPES = ("status_reply", "error")
+"""What a status client accepts (an older syncer answers ``error`` ``bad_message``)."""
+MAX_NONCE = 2**63 - 1
 
 
 class WireError(ValueError):
@@ -181,6 +193,16 @@ def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[tor
                    "codec": CODEC_NONE, "tensors": _tensor_meta(tensors)}, tensors)
 
 
+def status_request_frames(nonce: int) -> list[Any]:
+    """A read-only request for the syncer's status; the reply echoes ``nonce``."""
+    return encode({"type": "status", "nonce": nonce})
+
+
+def status_reply_frames(nonce: int, status: dict[str, Any]) -> list[Any]:
+    """The syncer's answer: ``status`` is a map of plain values (see ``parse_status_reply``)."""
+    return encode({"type": "status_reply", "nonce": nonce, "status": status})
+
+
 # ------------------------------------------------------------------------ receiving
 def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...], *, minimum: float | None = None) -> Any:
     if key not in h:
@@ -217,7 +239,11 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
     kind = header.get("type")
     if kind not in allowed:
         raise WireError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(allowed)}")
-    if "learner" in header or tuple(allowed) == LEARNER_TYPES:  # every learner message names its sender
+    # Every learner message the syncer receives names its sender; a read-only client
+    # request does not (it is nobody in a round). ``ack`` travels both ways: the
+    # syncer's names nobody.
+    syncer_side = tuple(allowed) in (LEARNER_TYPES, SYNCER_RECEIVES)
+    if "learner" in header or (syncer_side and kind in LEARNER_TYPES):
         lid = _field(header, "learner", str)
         if not _LEARNER_ID.fullmatch(lid):
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
@@ -384,3 +410,29 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
                         **counters)
+
+
+def parse_status_request(msg: Message) -> int:
+    """The nonce of a ``status`` request (an int in [0, 2^63))."""
+    nonce = _field(msg.header, "nonce", int, minimum=0)
+    if nonce > MAX_NONCE:
+        raise WireError(f"field 'nonce' must be <= {MAX_NONCE}, got {nonce}")
+    return nonce
+
+
+def parse_status_reply(msg: Message) -> tuple[int, dict[str, Any]]:
+    """(nonce, status) of a ``status_reply``, with the shape a reader relies on checked:
+    ``syncer`` a map, ``fragments`` a list of maps with an int ``fragment`` and ``version``,
+    ``learners`` a list of maps with a str ``id``."""
+    nonce = _field(msg.header, "nonce", int, minimum=0)
+    status = _field(msg.header, "status", dict)
+    _field(status, "syncer", dict)
+    for key, id_field, kind in (("fragments", "fragment", int), ("learners", "id", str)):
+        entries = _field(status, key, list)
+        for entry in entries:
+            if not isinstance(entry, dict):
+                raise WireError(f"status: each entry of {key!r} must be a map")
+            _field(entry, id_field, kind)
+            if key == "fragments":
+                _field(entry, "version", int, minimum=0)
+    return nonce, status

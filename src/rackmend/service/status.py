@@ -1,0 +1,172 @@
+"""``rackmend status ENDPOINT``: a live view of a running syncer, like ``top``.
+
+Asks the syncer for its status (a read-only request that passes the same CurveZMQ
+authentication as a learner and never joins a round) and redraws two tables every
+``--interval`` seconds: the learners (ranks, state, last seen, step time, version lag,
+bytes each way) and the round of each fragment (version, who is in, age). Ctrl-C
+ends it; ``--iterations`` bounds it. ``--once --json`` prints one JSON document for
+scripts and exits non-zero when the syncer does not answer within ``--timeout``.
+
+The request itself lives in ``rackmend.transport.status``; the answer is built by
+``SyncerService.status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from rackmend.transport.base import TransportError
+from rackmend.transport.status import StatusClient, StatusTimeout
+from rackmend.transport.zmq_link import CurveClientKeys
+
+__all__ = ["add_arguments", "main", "render"]
+
+CLEAR = "\x1b[H\x1b[2J"
+"""ANSI: cursor home, clear screen (what ``top`` does between frames, minus curses)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("endpoint", help="the syncer's endpoint, e.g. tcp://sync:5555")
+    p.add_argument("--once", action="store_true", help="ask once, print, exit")
+    p.add_argument("--json", action="store_true", help="print the status as JSON: with --once one document, "
+                   "otherwise one document per line per refresh")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes (default: until Ctrl-C)")
+    p.add_argument("--no-clear", action="store_true", help="print frames one after another instead of redrawing")
+    p.add_argument("--key", help="a .key_secret file whose public key is in the syncer's --allowed-keys (CurveZMQ)")
+    p.add_argument("--server-key", help="the syncer's public .key file (CurveZMQ)")
+
+
+def _curve(args: argparse.Namespace) -> CurveClientKeys | None:
+    if not args.key and not args.server_key:
+        return None
+    if not (args.key and args.server_key):
+        raise ValueError("--key and --server-key go together (this client's .key_secret and the syncer's .key)")
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(args.key)
+        server, _ = zmq.auth.load_certificate(args.server_key)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the Curve keys: {exc}") from None
+    if secret is None:
+        raise ValueError(f"{args.key} holds no secret key; pass the .key_secret file (see `rackmend keygen`)")
+    return CurveClientKeys(public=public, secret=secret, server_public=server)
+
+
+def _fmt_s(v: Any) -> str:
+    if v is None:
+        return "-"
+    v = float(v)
+    if v < 1:
+        return f"{v * 1000:.0f}ms"
+    if v < 120:
+        return f"{v:.1f}s"
+    return f"{v / 60:.0f}m" if v < 7200 else f"{v / 3600:.1f}h"
+
+
+def _fmt_bytes(v: Any) -> str:
+    v = float(v or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
+            return f"{v:.0f}{unit}" if unit == "B" else f"{v:.1f}{unit}"
+        v /= 1024
+    return f"{v:.1f}TiB"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(headers)] + [line(r) for r in rows]
+
+
+def render(status: dict[str, Any], endpoint: str) -> str:
+    """The status as the two tables of the interactive view (plain text)."""
+    s = status.get("syncer", {})
+    out = [
+        f"rackmend syncer {endpoint}  {s.get('state', '?')}  up {_fmt_s(s.get('uptime_s'))}  "
+        f"merges {s.get('merges', 0)}  grace {_fmt_s(s.get('grace_s'))}  quorum {s.get('min_quorum', '?')}"
+        f"{'  deterministic' if s.get('deterministic') else ''}{'  curve' if s.get('curve') else ''}",
+        f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
+        f"checkpoint {_fmt_s(s.get('checkpoint_age_s'))} ago" if s.get("checkpoint_age_s") is not None else
+        f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
+        "no checkpoint yet",
+        "",
+    ]
+    rows = []
+    for ln in status.get("learners", []):
+        ranks = ",".join(str(r) for r in ln.get("ranks", [])) or "-"
+        if ln.get("world"):
+            ranks += f"/{ln['world']}"
+        lag = ln.get("version_lag")
+        rows.append([str(ln.get("id")), ranks, str(ln.get("state")), _fmt_s(ln.get("last_seen_s")),
+                     "-" if ln.get("step") is None else str(ln["step"]), _fmt_s(ln.get("step_time_s")),
+                     "-" if lag is None else str(lag), _fmt_bytes(ln.get("bytes_in")), _fmt_bytes(ln.get("bytes_out")),
+                     str(ln.get("rejected", 0))])
+    out += _table(["LEARNER", "RANKS", "STATE", "SEEN", "STEP", "STEP TIME", "LAG", "IN", "OUT", "REJECTED"], rows)
+    out.append("")
+    rows = []
+    for f in status.get("fragments", []):
+        waiting = f.get("waiting", [])
+        fresh = set(f.get("fresh", []))
+        inside = ",".join(f"{lid}{'' if lid in fresh else '*'}" for lid in waiting) or "-"
+        rows.append([str(f.get("fragment")), str(f.get("version")), _fmt_bytes(f.get("bytes")), inside,
+                     _fmt_s(f.get("round_age_s")), _fmt_s(f.get("grace_left_s")),
+                     ",".join(f.get("last_merged", [])) or "-", _fmt_s(f.get("last_merge_age_s"))])
+    out += _table(["FRAGMENT", "VERSION", "SIZE", "IN ROUND", "ROUND AGE", "GRACE LEFT", "LAST MERGED", "AGO"], rows)
+    if any(set(f.get("waiting", [])) - set(f.get("fresh", [])) for f in status.get("fragments", [])):
+        out.append("* stale: based on an older version, rides along with the next merge")
+    return "\n".join(out)
+
+
+def main(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
+    stdout = stdout or sys.stdout
+    try:
+        curve = _curve(args)
+    except ValueError as exc:
+        print(f"rackmend status: {exc}", file=sys.stderr)
+        return 2
+    if args.timeout <= 0 or args.interval < 0:
+        print("rackmend status: --timeout must be > 0 and --interval >= 0 seconds", file=sys.stderr)
+        return 2
+    with StatusClient(args.endpoint, curve=curve) as client:
+        if args.once:
+            try:
+                status = client.query(args.timeout)
+            except TransportError as exc:
+                print(f"rackmend status: {exc}", file=sys.stderr)
+                return 1
+            print(json.dumps(status, indent=2) if args.json else render(status, args.endpoint), file=stdout)
+            return 0
+        done = 0
+        try:
+            while args.iterations is None or done < args.iterations:
+                started = time.monotonic()
+                try:
+                    status = client.query(args.timeout)
+                except StatusTimeout as exc:
+                    if args.json:  # JSON Lines stay parseable: the complaint goes to stderr
+                        print(f"rackmend status: {exc}", file=sys.stderr, flush=True)
+                    status, frame = None, f"{exc}\n(retrying every {args.interval:g}s; Ctrl-C to stop)"
+                except TransportError as exc:
+                    print(f"rackmend status: {exc}", file=sys.stderr)
+                    return 1
+                if args.json:
+                    if status is not None:
+                        print(json.dumps(status), file=stdout, flush=True)
+                else:
+                    if status is not None:
+                        frame = render(status, args.endpoint)
+                    print(f"{'' if args.no_clear else CLEAR}{frame}\n{time.strftime('%H:%M:%S')}  refresh every "
+                          f"{args.interval:g}s, Ctrl-C to quit", file=stdout, flush=True)
+                done += 1
+                if args.iterations is None or done < args.iterations:
+                    time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+        except KeyboardInterrupt:
+            pass
+    return 0
