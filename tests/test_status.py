@@ -40,7 +40,7 @@ def last_versions(tmp: Path, fragments: int) -> list[int]:
 
 def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs: Procs, tmp_path: Path) -> None:
     P = 2
-    _, endpoint = procs.syncer("--learners", "l0,l1", "--grace-max", "0.3", "--heartbeat-timeout", "5")
+    _, endpoint = procs.syncer("--learners", "l0,l1", "--grace-max", "0.3", "--heartbeat-timeout", "30")
     common = ("--step-sleep", "0.03", "--H", "3", "--P", str(P), "--learners", "l0,l1")
     pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
     held = tmp_path / "l0.held.safetensors"
@@ -64,7 +64,7 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
     for ln in by_id.values():
         assert ln["state"] == "connected" and ln["expected"], ln
         assert ln["bytes_in"] > 0 and ln["bytes_out"] > 0 and ln["contributions"] > 0, ln
-        assert ln["step"] >= 3 and 0 < ln["step_time_s"] < 5 and ln["last_seen_s"] < 5, ln
+        assert ln["step"] >= 3 and 0 < ln["step_time_s"] < 5 and ln["last_seen_s"] < 30, ln
         assert ln["version_lag"] is not None and ln["version_lag"] >= 0
     assert [f["fragment"] for f in doc["fragments"]] == list(range(P))
     for f in doc["fragments"]:
