@@ -18,7 +18,7 @@ from rackmend.config import (
     ScheduleConfig,
     SyncerConfig,
 )
-from rackmend.core import FragmentSpec, SyncerCore, pack_fragments
+from rackmend.core import FailSlowReport, FragmentSpec, SyncerCore, pack_fragments
 from rackmend.learner import RackmendOptimizer
 from rackmend.transport import InProcessSyncer, ZmqLink
 
@@ -31,6 +31,7 @@ __all__ = [
     "RackmendConfig",
     "ScheduleConfig",
     "SyncerConfig",
+    "FailSlowReport",
     "FragmentSpec",
     "SyncerCore",
     "pack_fragments",

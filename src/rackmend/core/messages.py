@@ -48,6 +48,15 @@ class Contribution:
     """Per (learner, fragment, session) sequence number, increasing with every send; the
     syncer refuses one it has seen already or an older one (a replay). 0: unsequenced
     (in-process transports, which cannot replay), not checked."""
+    rank: int = 0
+    """The learner rank that sent it (the owner of the fragment)."""
+    rank_steps: int = 0
+    """Inner steps of the sending rank since its previous contribution (of any fragment);
+    0: not reported (older learners), the syncer then uses ``step_time``."""
+    rank_step_time: float = 0.0
+    """Mean seconds per inner step of the sending rank over those ``rank_steps`` steps:
+    disjoint windows, unlike ``step_time`` (whose windows of successive fragments
+    overlap), so the fail-slow detector sees each step once and can name the rank."""
 
 
 @dataclass(frozen=True)

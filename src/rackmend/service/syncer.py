@@ -25,6 +25,7 @@ import zmq
 
 from rackmend.config import ConfigError, RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
+from rackmend.core.failslow import AdviseLearner
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -459,6 +460,10 @@ class SyncerService:
                         self._send(ident, wire.encode({"type": "error", "code": "rejected", "reason": reason}))
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
+            elif isinstance(action, AdviseLearner):
+                frames = wire.fail_slow_frames(action.report)
+                for ident in self._ranks_of(action.report.learner):  # every rank: any may act on it
+                    self._send(ident, list(frames))
         if merged:
             seconds = (self.clock() - t0) / len(merged)
             for p in merged:
