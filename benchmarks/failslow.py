@@ -14,8 +14,9 @@ first slow step counts 1), and the healthy steps after the window until ``restor
 The issue's targets are 10 (2x), 30 (1.2x) and 40 (ramp) steps at CV 0.3 with no
 false alarm in 100 000 steps; the rows at CV 0.1 show the same code where the noise
 allows those delays (see the module docstring of ``rackmend.core.failslow``).
-The detector is fed means over ``--window`` steps (a learner's contribution reports
-its mean since its previous send), so a delay is rounded up to a window.
+The detector is fed medians over ``--window`` steps (a learner's contribution reports
+its rank's median step time since its previous send), so a delay is rounded up to a
+window.
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ def factor(kind: str, i: int, warmup: int, slow_steps: int) -> float:
 
 def windows(kind: str, n: int, warmup: int, slow_steps: int, window: int, rng: random.Random, cv: float,
             spike_p: float) -> Iterator[tuple[int, float, int]]:
-    """(step index after the window, mean seconds, steps) over windows that never span
+    """(step index after the window, median seconds, steps) over windows that never span
     the slow window's edges (a learner's send period does, but then the delay is not
     the detector's)."""
     edges = [warmup, warmup + slow_steps] if kind != "jitter" else []
     i = 0
     while i < n:
         end = min([i + window, n] + [e for e in edges if e > i])
-        total = sum(BASE_S * factor(kind, j, warmup, slow_steps) * noise(rng, cv, spike_p) for j in range(i, end))
-        yield end, total / (end - i), end - i
+        times = [BASE_S * factor(kind, j, warmup, slow_steps) * noise(rng, cv, spike_p) for j in range(i, end)]
+        yield end, statistics.median(times), end - i  # what a learner reports (rank_step_time)
         i = end
 
 

@@ -160,7 +160,7 @@ class Fleet:
 def test_core_walks_the_ladder_and_back() -> None:
     core = make_core()
     fleet = Fleet(core)
-    for _ in range(40):  # 160 healthy steps: baselines learnt
+    for _ in range(70):  # 280 healthy steps: baselines learnt (64 samples at least)
         fleet.round()
     assert fleet.failslow() == [] and fleet.typed == []
     assert core.expected_learners() == {"a", "b", "c"}
@@ -207,7 +207,7 @@ def test_core_walks_the_ladder_and_back() -> None:
 def test_a_slowdown_the_whole_fleet_shares_is_not_fail_slow() -> None:
     core = make_core()
     fleet = Fleet(core)
-    for _ in range(40):
+    for _ in range(70):
         fleet.round()
     for _ in range(30):
         fleet.round(fleet=1.5)  # everyone 1.5x: longer sequences, a shared filesystem...
@@ -280,7 +280,8 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
     wait_for(lambda: named("failslow_slow"), 60, "the slow learner to be flagged", alive)
     flag = named("failslow_slow")[0]
     assert flag["learner"] == "l1" and flag["rank"] == 0 and flag["ratio"] > 2, flag
-    wait_for(lambda: named("failslow_restore"), 60, "the slow learner to be restored", alive)
+    # The fast learner may finish first (it has no slow window to sit out).
+    wait_for(lambda: named("failslow_restore"), 60, "the slow learner to be restored", (syncer, slow))
     assert named("failslow_restore")[0]["learner"] == "l1"
     for p in (fast, slow):
         assert p.wait(60) == 0

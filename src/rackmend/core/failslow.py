@@ -10,10 +10,12 @@ membership and turns each into a log record; the service sends ``AdviseLearner``
 reports to the learner.
 
 The detector works on log step time, so a slowdown is a shift of the mean and one
-threshold fits every model's step scale. Inputs are means over a number of steps (a
-contribution reports the sending rank's mean step time since its previous send);
-a mean over n steps is treated as n steps at that mean, so a stream of windows and a
-stream of single steps give the same statistics.
+threshold fits every model's step scale. Inputs are typical step times over a number
+of steps (a contribution reports the sending rank's median step time since its
+previous send: a median, so one x5 step in a window of six does not read as a window
+67 % slower); a sample over n steps is treated as n steps at that level, its spread
+sqrt(n) smaller, so a stream of windows and a stream of single steps give the same
+statistics.
 
 - **Baseline**: the weighted median and MAD (per-step scale) of the stream's own
   history, admitted with a lag of ``baseline_steps / 2`` steps: a slow ramp cannot
@@ -60,6 +62,7 @@ __all__ = [
     "FailSlowAction",
     "REPORT_STATES",
     "CLIP_SIGMA",
+    "BASELINE_MIN_SAMPLES",
     "MIN_SIGMA",
     "DESIGN_MULTIPLES",
     "cusum_threshold",
@@ -79,6 +82,12 @@ DESIGN_MULTIPLES = (2.0, 4.0, 8.0)
 default 10 %, about 1.2x, 1.46x and 2.1x. Each catches shifts near its own size
 fastest; the smallest slowdown itself is left to the 1.2x one (a CUSUM tuned to 1.1x
 would need a far higher threshold and be slower on everything else)."""
+
+BASELINE_MIN_SAMPLES = 128
+"""The baseline keeps at least this many samples, even when they span more than
+``baseline_steps`` steps: with windows of 6 steps, 256 steps are 43 samples, whose
+median and spread are off by enough to turn a false alarm per 1e7 steps into one per
+1e5 (benchmarks/failslow.py --window 6). Detection starts at half of both."""
 
 REPORT_STATES = ("blip", "slow", "evict", "restored")
 """What a ``FailSlowReport`` says happened."""
@@ -227,14 +236,15 @@ class StepTimeDetector:
             self._base.append((value, n))
             self._base_steps += n
             self._dirty += 1
-            while self._base_steps - self._base[0][1] >= self.baseline_steps:
+            while (self._base_steps - self._base[0][1] >= self.baseline_steps
+                   and len(self._base) > BASELINE_MIN_SAMPLES):
                 self._base_steps -= self._base.popleft()[1]
 
     def _refresh(self) -> None:
         """Baseline from the admitted history: weighted median, and 1.4826 x the weighted
         median absolute deviation scaled to one step (a mean of n steps varies sqrt(n) less)."""
         self._dirty = 0
-        if self._base_steps < self.baseline_steps // 2:
+        if self._base_steps < self.baseline_steps // 2 or len(self._base) < BASELINE_MIN_SAMPLES // 2:
             return
         mu = _wmedian(list(self._base))
         mad = _wmedian([(abs(x - mu) * math.sqrt(n), n) for x, n in self._base])
@@ -260,8 +270,10 @@ class StepTimeDetector:
         for c in cusums:
             if c.s == 0.0:
                 c.onset = self.steps - steps
-            # Clipped around k, so a CUSUM tuned to a shift larger than the clip still moves.
-            c.s = max(0.0, c.s + steps * (max(-CLIP_SIGMA, min(c.k + CLIP_SIGMA, z)) - c.k))
+            # Clipped around k, so a CUSUM tuned to a shift larger than the clip still moves;
+            # a sample of n steps varies sqrt(n) less, so its clip is that much tighter.
+            clip = CLIP_SIGMA / math.sqrt(steps)
+            c.s = max(0.0, c.s + steps * (max(-clip, min(c.k + clip, z)) - c.k))
 
     def _watch_slowdown(self, x: float, steps: int, fleet_shift: float) -> Verdict | None:
         assert self.mu is not None

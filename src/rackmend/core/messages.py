@@ -54,9 +54,10 @@ class Contribution:
     """Inner steps of the sending rank since its previous contribution (of any fragment);
     0: not reported (older learners), the syncer then uses ``step_time``."""
     rank_step_time: float = 0.0
-    """Mean seconds per inner step of the sending rank over those ``rank_steps`` steps:
+    """Median seconds per inner step of the sending rank over those ``rank_steps`` steps:
     disjoint windows, unlike ``step_time`` (whose windows of successive fragments
-    overlap), so the fail-slow detector sees each step once and can name the rank."""
+    overlap), so the fail-slow detector sees each step once and can name the rank; a
+    median, so a single stalled step does not read as a slow window."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -173,9 +174,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         syncer sends this learner: ``state`` slow (rounds no longer wait for it), evict
         (marked for eviction) or restored, naming the slow ``rank``. Replace it to act,
         e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
-        self._rank_steps = 0
-        self._rank_time = 0.0
-        """Steps and seconds of this rank since its previous contribution (fail-slow timing)."""
+        self._rank_times: list[float] = []
+        """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
         self._join()
 
     # ---------------------------------------------------------- optimizer contract
@@ -332,8 +332,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.c_tokens[p] += tokens * self.world_size  # ranks see equal batches: the learner's total
             self.c_time[p] += dt
         if dt > 0:  # the first step has no start time to measure from
-            self._rank_steps += 1
-            self._rank_time += dt
+            self._rank_times.append(dt)
         self._absorb(self.link.poll())
         poll_advice = getattr(self.link, "poll_advice", None)  # links without fail-slow advice lack it
         if poll_advice is not None:
@@ -541,10 +540,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
             encoded=encoded,
             merge_gain=self._gain_to_report.pop(p, None),
             rank=self.rank,
-            rank_steps=self._rank_steps,
-            rank_step_time=self._rank_time / self._rank_steps if self._rank_steps else 0.0,
+            rank_steps=len(self._rank_times),
+            rank_step_time=statistics.median(self._rank_times) if self._rank_times else 0.0,
         )
-        self._rank_steps, self._rank_time = 0, 0.0
+        self._rank_times = []
         self.link.send(contribution)
         self.bytes_sent += nbytes
         # Pinned buffers are reused at the next send, so keep_local holds its own copy.
