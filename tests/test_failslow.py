@@ -277,17 +277,20 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
     def named(name: str) -> list[dict]:
         return [e for e in events(tmp_path) if e["event"] == name]
 
-    wait_for(lambda: named("failslow_slow"), 60, "the slow learner to be flagged", alive)
-    flag = named("failslow_slow")[0]
-    assert flag["learner"] == "l1" and flag["rank"] == 0 and flag["ratio"] > 2, flag
+    # This machine's other processes can slow a 30 ms step by 10-30 % for a while, and
+    # flagging that is the detector's job: the test looks for the injected x3 only.
+    def injected() -> list[dict]:
+        return [e for e in named("failslow_slow") if e["ratio"] > 2]
+
+    wait_for(injected, 60, "the slow learner to be flagged", alive)
+    flag = injected()[0]
+    assert flag["learner"] == "l1" and flag["rank"] == 0, flag
     # The fast learner may finish first (it has no slow window to sit out).
-    wait_for(lambda: named("failslow_restore"), 60, "the slow learner to be restored", (syncer, slow))
-    assert named("failslow_restore")[0]["learner"] == "l1"
+    wait_for(lambda: [e for e in named("failslow_restore") if e["t"] > flag["t"]], 60,
+             "the slow learner to be restored", (syncer, slow))
+    assert [e["learner"] for e in named("failslow_restore") if e["t"] > flag["t"]][0] == "l1"
     for p in (fast, slow):
         assert p.wait(60) == 0
     out = procs.output("l1")
     assert "the syncer reports rank 0 fail-slow: 2." in out or "the syncer reports rank 0 fail-slow: 3." in out, out
     assert "back at normal speed" in out
-    # Later flags of 1.1-1.3x on either learner are possible: this machine's other
-    # processes slow a 30 ms step by that much for a while, and that is what the
-    # detector is for; the test asserts only the injected x3.
