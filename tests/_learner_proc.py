@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -44,6 +45,9 @@ def main() -> int:
     p.add_argument("--learners", default="")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--slow-from", type=int, default=0, help="from this step on, sleep --slow-factor x as long")
+    p.add_argument("--slow-until", type=int, default=0, help="... until this step (0: to the end)")
+    p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--progress", type=Path)
     p.add_argument("--keys", nargs=3, metavar=("PUBLIC_FILE", "SECRET_FILE", "SERVER_PUBLIC_FILE"))
@@ -55,6 +59,7 @@ def main() -> int:
     p.add_argument("--link", choices=("env", "plain"), default="env",
                    help="plain: ZmqLink(endpoint) as docs/multinode.md shows; env: ZmqLink.from_env")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1)  # tests dump a stuck learner's stacks with SIGUSR1
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -92,7 +97,8 @@ def main() -> int:
             if a.progress and rank == 0:
                 a.progress.write_text(f"{t} {' '.join(map(str, opt.versions))}")
             if a.step_sleep:
-                time.sleep(a.step_sleep)
+                slow = a.slow_from and t >= a.slow_from and (not a.slow_until or t < a.slow_until)
+                time.sleep(a.step_sleep * (a.slow_factor if slow else 1.0))
     except KeyboardInterrupt:
         print("interrupted: leaving", flush=True)
         return 130

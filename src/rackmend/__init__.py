@@ -21,7 +21,7 @@ from rackmend.config import (
     ScheduleConfig,
     SyncerConfig,
 )
-from rackmend.core import FragmentSpec, SyncerCore, pack_fragments
+from rackmend.core import FailSlowReport, FragmentSpec, SyncerCore, pack_fragments
 from rackmend.learner import RackmendOptimizer
 from rackmend.service.export import ExportError, ExportResult, export_model
 from rackmend.transport import InProcessSyncer, ZmqLink
@@ -35,6 +35,7 @@ __all__ = [
     "RackmendConfig",
     "ScheduleConfig",
     "SyncerConfig",
+    "FailSlowReport",
     "FragmentSpec",
     "SyncerCore",
     "pack_fragments",

@@ -190,8 +190,63 @@ class SyncerConfig:
     so the default leaves a margin of about 2.5 over that. If ``guard`` events name
     honest learners, their work is being clipped: raise it (0 disables the guard)."""
 
+    failslow: bool = True
+    """Fail-slow detection (``rackmend.core.failslow``): from the step times learners
+    report, flag a learner whose steps got slower and climb the mitigation ladder
+    (events ``failslow_*`` in the log). Off in deterministic mode, whose rounds wait
+    for the whole roster by definition."""
+
+    failslow_min_slowdown: float = 0.10
+    """Smallest slowdown confirmed, as a fraction of the learner's own baseline step time
+    (and of the fleet's change over the same time). Too low shows as learners flagged
+    for slowdowns nobody cares about; too high lets a sick rack hide below it."""
+
+    failslow_min_steps: int = 10
+    """Inner steps a slowdown must last before it is confirmed; shorter ones are blips
+    (``failslow_blip``, ignored). Raise it if brief stalls (checkpoint writes, data
+    loader hiccups) get learners flagged."""
+
+    failslow_false_alarm_steps: float = 1e7
+    """Designed mean number of inner steps of one healthy learner between false alarms;
+    the change-point thresholds follow from it. Healthy learners flagged and restored
+    again and again (``failslow_slow`` then ``failslow_restore`` on a rack nobody
+    touched): raise it. Real slowdowns found too late: lower it; each factor of 10
+    costs about ln(10) / (delta**2 / 2) steps of delay (docs/benchmarks.md)."""
+
+    failslow_baseline_steps: int = 256
+    """Inner steps of a learner's own history its baseline is taken over (median and
+    spread of log step time), admitted with a lag of half of it so a slow ramp cannot
+    drag the baseline along; detection starts once half of it is known. Shorter reacts
+    to legitimate changes (sequence length) sooner but makes the baseline noisier (more
+    false alarms)."""
+
+    failslow_advise_after: int = 30
+    """Inner steps a confirmed slowdown must have lasted before the learner is told
+    (``on_fail_slow``); rounds stop waiting for it as soon as it is confirmed. 0 tells
+    it at once."""
+
+    failslow_evict_cost: float = 3600.0
+    """Fleet-seconds after which a slow learner is marked for eviction
+    (``failslow_evict``; the syncer does not disconnect it). The cost counts, from the
+    slowdown's onset, its extra seconds per step over the fleet's median times the
+    steps times the other learners, i.e. the fleet time lost if rounds waited for it.
+    Marks on racks that recover by themselves: raise it; racks left slow for hours
+    before anyone hears: lower it."""
+
     def validate(self) -> None:
         _check(self.min_quorum >= 1, f"min_quorum (K) must be >= 1, got {self.min_quorum}")
+        _check(self.failslow_min_slowdown > 0,
+               f"failslow_min_slowdown must be > 0 (a fraction, 0.1 = 10 %), got {self.failslow_min_slowdown}")
+        _check(self.failslow_min_steps >= 1, f"failslow_min_steps must be >= 1, got {self.failslow_min_steps}")
+        _check(self.failslow_false_alarm_steps > 1,
+               f"failslow_false_alarm_steps must be > 1 steps, got {self.failslow_false_alarm_steps}; 1e7 is the "
+               "default")
+        _check(self.failslow_baseline_steps >= 8,
+               f"failslow_baseline_steps must be >= 8 steps, got {self.failslow_baseline_steps}; 256 is the default")
+        _check(self.failslow_advise_after >= 0,
+               f"failslow_advise_after must be >= 0 steps, got {self.failslow_advise_after}")
+        _check(self.failslow_evict_cost > 0,
+               f"failslow_evict_cost must be > 0 fleet-seconds, got {self.failslow_evict_cost}")
         _check(
             len(set(self.learners)) == len(self.learners),
             f"learners lists a learner id twice: {list(self.learners)}",

@@ -1,9 +1,21 @@
-"""The sans-I/O core: fragments and schedule, merge math, the syncer state machine.
+"""The sans-I/O core: fragments and schedule, merge math, the syncer state machine,
+fail-slow detection.
 
 Nothing in this package reads a clock, sleeps, starts a thread or touches a socket;
 time comes in as ``now`` arguments. Transports and simulators drive it.
 """
 
+from rackmend.core.failslow import (
+    AdviseLearner,
+    FailSlowAction,
+    FailSlowBlip,
+    FailSlowMonitor,
+    FailSlowReport,
+    MarkForEviction,
+    RestoreLearner,
+    StepTimeDetector,
+    StopExpecting,
+)
 from rackmend.core.fragments import (
     FragmentSpec,
     TensorSpec,
@@ -30,6 +42,15 @@ from rackmend.core.syncer import (
 )
 
 __all__ = [
+    "AdviseLearner",
+    "FailSlowAction",
+    "FailSlowBlip",
+    "FailSlowMonitor",
+    "FailSlowReport",
+    "MarkForEviction",
+    "RestoreLearner",
+    "StepTimeDetector",
+    "StopExpecting",
     "FragmentSpec",
     "TensorSpec",
     "fingerprint",

@@ -50,6 +50,16 @@ class Contribution:
     (in-process transports, which cannot replay), not checked."""
     base_epoch: int = 0
     """Epoch of the syncer run whose value ``base_version`` names (see ``Update.epoch``)."""
+    rank: int = 0
+    """The learner rank that sent it (the owner of the fragment)."""
+    rank_steps: int = 0
+    """Inner steps of the sending rank since its previous contribution (of any fragment);
+    0: not reported (older learners), the syncer then uses ``step_time``."""
+    rank_step_time: float = 0.0
+    """Median seconds per inner step of the sending rank over those ``rank_steps`` steps:
+    disjoint windows, unlike ``step_time`` (whose windows of successive fragments
+    overlap), so the fail-slow detector sees each step once and can name the rank; a
+    median, so a single stalled step does not read as a slow window."""
 
 
 @dataclass(frozen=True)

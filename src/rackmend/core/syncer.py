@@ -37,6 +37,15 @@ import torch
 from rackmend.codecs.base import Encoded
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
+from rackmend.core.failslow import (
+    AdviseLearner,
+    FailSlowAction,
+    FailSlowBlip,
+    FailSlowMonitor,
+    MarkForEviction,
+    RestoreLearner,
+    StopExpecting,
+)
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import Contribution, Update
@@ -67,7 +76,8 @@ __all__ = [
     "RETIRED_SESSIONS",
 ]
 
-WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped"})
+WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped", "failslow_slow",
+                            "failslow_evict"})
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
 
 TOKEN_UNITS_RATIO = 10.0
@@ -180,7 +190,10 @@ class LogRecord:
     record: dict
 
 
-Action = Union[SendUpdate, LogRecord]
+Action = Union[SendUpdate, LogRecord, FailSlowAction]
+"""Fail-slow actions come with a ``failslow_*`` log record; a driver that only logs can
+ignore them (the core applied their effect on membership already), a network driver
+sends ``AdviseLearner`` reports to the learner."""
 
 
 HARMFUL_STREAK = 3
@@ -363,6 +376,11 @@ class SyncerCore:
         if sc.anchoring == "syncer":
             for p in range(len(self.fragments)):
                 self.history[p][0] = [t.clone() for t in self.theta[p]]
+        self.failslow: FailSlowMonitor | None = None if config.deterministic or not sc.failslow else FailSlowMonitor(
+            min_slowdown=sc.failslow_min_slowdown, min_steps=sc.failslow_min_steps,
+            false_alarm_steps=sc.failslow_false_alarm_steps, baseline_steps=sc.failslow_baseline_steps,
+            advise_after=sc.failslow_advise_after, evict_cost=sc.failslow_evict_cost)
+        """Step-time detectors and the fail-slow ladder (None: off, or deterministic mode)."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -371,6 +389,7 @@ class SyncerCore:
         if isinstance(event, ContributionArrived):
             p = self._accept(event.contribution, now, actions)
             if p is not None:
+                self._watch_step_time(event.contribution, now, actions)
                 self._maybe_close(p, now, actions)
         elif isinstance(event, Tick):
             self._close_all_due(now, actions)
@@ -378,6 +397,8 @@ class SyncerCore:
             self._join(event.learner_id, now, actions)
         elif isinstance(event, LearnerLeft):
             m = self.members.get(event.learner_id)
+            if self.failslow is not None:
+                self.failslow.forget(event.learner_id)  # a rack that comes back may be another machine
             if m is not None:
                 m.connected, m.expected = False, False
                 actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
@@ -425,9 +446,12 @@ class SyncerCore:
 
     def step_time_estimate(self) -> float | None:
         """The fleet's inner-step time: the lower median of the connected learners'
-        moving averages (all known learners' when none is connected); None before any."""
+        moving averages (all known learners' when none is connected), learners flagged
+        fail-slow left out; None before any."""
         connected = set(self.connected_learners())
-        known = {lid: e.value for lid, e in self.step_times.items() if e.value is not None}
+        # A learner flagged fail-slow would stretch every grace window: left out.
+        known = {lid: e.value for lid, e in self.step_times.items()
+                 if e.value is not None and not (self.failslow is not None and self.failslow.is_slow(lid))}
         values = sorted(v for lid, v in known.items() if lid in connected) or sorted(known.values())
         return values[(len(values) - 1) // 2] if values else None
 
@@ -574,6 +598,8 @@ class SyncerCore:
         return None
 
     def _join(self, lid: str, now: float, actions: list[Action]) -> None:
+        if self.failslow is not None:
+            self.failslow.forget(lid)  # expected again below; its baseline is learnt anew
         m = self.members.setdefault(lid, _Member(connected=True, expected=True))
         m.connected, m.expected = True, True
         actions.append(self._log(now, "join", learner=lid))
@@ -684,6 +710,9 @@ class SyncerCore:
                     f"per step over {c.c_steps} steps")
         if not c.step_time <= MAX_STEP_TIME:
             return f"step_time {c.step_time:g} s exceeds the bound MAX_STEP_TIME={MAX_STEP_TIME:g} s"
+        if not c.rank_step_time <= MAX_STEP_TIME or c.rank_step_time < 0 or not 0 <= c.rank_steps <= MAX_C_STEPS:
+            return (f"rank_step_time {c.rank_step_time:g} s over rank_steps {c.rank_steps} is outside "
+                    f"[0, MAX_STEP_TIME={MAX_STEP_TIME:g} s] x [0, MAX_C_STEPS={MAX_C_STEPS}]")
         return None
 
     def _check_sequence(self, c: Contribution) -> str | None:
@@ -955,3 +984,55 @@ class SyncerCore:
                 reason=(f"fragment {p}: the last {HARMFUL_STREAK} merged values each made the learners' probe "
                         f"loss more than {HARMFUL_LOSS:.0%} worse (median gain {median:+.1%}); the outer step is "
                         "probably too large: lower outer_lr or the outer momentum (docs/tuning.md)")))
+
+    # ------------------------------------------------------------------ fail-slow
+    def _watch_step_time(self, c: Contribution, now: float, actions: list[Action]) -> None:
+        """Feed ``c``'s timing to the fail-slow monitor; apply and log the ladder's actions."""
+        if self.failslow is None:
+            return
+        seconds, steps = (c.rank_step_time, c.rank_steps) if c.rank_steps > 0 else (c.step_time, 0)
+        ladder = self.failslow.observe(c.learner_id, c.rank, c.step, seconds, steps, len(self.connected_learners()))
+        changed = False
+        for act in ladder:
+            r = act.report
+            m = self.members.get(r.learner)
+            if isinstance(act, StopExpecting) and m is not None and m.expected:
+                m.expected, changed = False, True
+            elif isinstance(act, RestoreLearner) and m is not None and m.connected and not m.expected:
+                m.expected, changed = True, True
+            actions.append(act)
+            actions.append(self._log(now, _FAILSLOW_EVENTS[type(act)], learner=r.learner, rank=r.rank,
+                                     state=r.state, ratio=r.ratio, fleet_ratio=r.fleet_ratio,
+                                     baseline_s=r.baseline_s, steps=r.steps, cost_s=r.cost_s,
+                                     reason=_failslow_reason(act)))
+        if changed:
+            self._close_all_due(now, actions)  # rounds that waited only for it can end now
+
+
+_FAILSLOW_EVENTS: dict[type, str] = {
+    FailSlowBlip: "failslow_blip",
+    StopExpecting: "failslow_slow",
+    AdviseLearner: "failslow_advise",
+    MarkForEviction: "failslow_evict",
+    RestoreLearner: "failslow_restore",
+}
+
+
+def _failslow_reason(act: FailSlowAction) -> str:
+    """The log line a person reads for one rung of the ladder."""
+    r = act.report
+    who = f"learner {r.learner} (rank {r.rank})"
+    speed = (f"{r.ratio:.2f}x its baseline of {r.baseline_s * 1000:.3g} ms per step, {r.fleet_ratio:.2f}x relative "
+             "to the fleet")
+    if isinstance(act, FailSlowBlip):
+        return f"{who} was slower for {r.steps} steps ({speed}); too short or too small: ignored"
+    if isinstance(act, StopExpecting):
+        return (f"{who} is fail-slow: {speed} for {r.steps} steps; rounds stop waiting for it (its work still "
+                "merges). If healthy racks get flagged, raise SyncerConfig.failslow_false_alarm_steps or "
+                "failslow_min_steps")
+    if isinstance(act, AdviseLearner):
+        return f"told {who} that it is {r.state} ({speed}; {r.steps} steps)"
+    if isinstance(act, MarkForEviction):
+        return (f"{who} marked for eviction: its slowdown ({speed}) has cost the fleet {r.cost_s:.0f} s, more than "
+                "SyncerConfig.failslow_evict_cost; replace the rack or restart it elsewhere")
+    return f"{who} is back to normal speed ({speed}); rounds wait for it again"

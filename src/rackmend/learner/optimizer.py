@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from torch import nn
 
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import ConfigError, RackmendConfig
+from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
@@ -176,6 +178,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         the next one after the value held before (0: the very next version; more: merges
         happened in between, e.g. this learner's contribution came late). Counted within
         one syncer epoch; a value of a new epoch counts 0."""
+        self.on_fail_slow: Callable[[FailSlowReport], None] = self._warn_fail_slow
+        """Called (on the training thread, inside ``step``) with each fail-slow report the
+        syncer sends this learner: ``state`` slow (rounds no longer wait for it), evict
+        (marked for eviction) or restored, naming the slow ``rank``. Replace it to act,
+        e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
+        self._rank_times: list[float] = []
+        """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
         self._join()
 
     # ---------------------------------------------------------- optimizer contract
@@ -337,7 +346,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens * self.world_size  # ranks see equal batches: the learner's total
             self.c_time[p] += dt
+        if dt > 0:  # the first step has no start time to measure from
+            self._rank_times.append(dt)
         self._absorb(self.link.poll())
+        poll_advice = getattr(self.link, "poll_advice", None)  # links without fail-slow advice lack it
+        if poll_advice is not None:
+            for report in poll_advice():
+                self.on_fail_slow(report)
         for p in fragments_due(t, self.fragments, self.config.schedule.sync_every):
             self._send(p)
         if self._dist:
@@ -368,6 +383,21 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def fragments_in_flight(self) -> tuple[int, ...]:
         """Fragments sent and not yet answered by an applied merged value, ascending."""
         return tuple(sorted(self._pending))
+    def _warn_fail_slow(self, report: FailSlowReport) -> None:
+        """The default ``on_fail_slow``: a log line naming the slow rank."""
+        speed = f"{report.ratio:.2f}x its usual step time ({report.fleet_ratio:.2f}x relative to the fleet)"
+        if report.state == "restored":
+            log.info("learner %s: the syncer sees rank %d back at normal speed (%s); rounds wait for it again",
+                     self.learner_id, report.rank, speed)
+        elif report.state == "evict":
+            log.warning("learner %s: the syncer marked this learner for eviction: rank %d runs at %s and has cost "
+                        "the fleet %.0f s; replace or restart that rack", self.learner_id, report.rank, speed,
+                        report.cost_s)
+        else:
+            log.warning("learner %s: the syncer reports rank %d fail-slow: %s for %d steps; rounds no longer wait "
+                        "for this learner. Shrink that rank's batch, rebalance, or check its hardware (set "
+                        "RackmendOptimizer.on_fail_slow to act on this)", self.learner_id, report.rank, speed,
+                        report.steps)
 
     def owns(self, p: int) -> bool:
         """Whether this rank sends and receives fragment p."""
@@ -531,7 +561,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
             tensors=delta,
             encoded=encoded,
             merge_gain=self._gain_to_report.pop(p, None),
+            rank=self.rank,
+            rank_steps=len(self._rank_times),
+            rank_step_time=statistics.median(self._rank_times) if self._rank_times else 0.0,
         )
+        self._rank_times = []
         self.link.send(contribution)
         self.bytes_sent += nbytes
         # Pinned buffers are reused at the next send, so keep_local holds its own copy.

@@ -107,6 +107,19 @@ OPTIONS: tuple[Option, ...] = (
            "their share only", "syncer"),
     Option("norm_guard", float, 30.0, "clip a contribution whose norm exceeds this multiple of the fragment's "
            "recent median norm (0: off)", "syncer"),
+    Option("no_failslow", _bool, False, "turn fail-slow detection off (no failslow_* events; rounds keep "
+           "waiting for slow learners)", "run"),
+    Option("failslow_min_slowdown", float, 0.10, "smallest slowdown flagged, as a fraction of the learner's "
+           "own step time (0.1: 10 %%)", "syncer"),
+    Option("failslow_min_steps", int, 10, "steps a slowdown must last to be flagged (shorter: a blip)", "syncer"),
+    Option("failslow_false_alarm_steps", float, 1e7, "designed steps between false alarms of one healthy "
+           "learner (higher: fewer false alarms, later detection)", "syncer"),
+    Option("failslow_baseline_steps", int, 256, "steps of a learner's own history its baseline step time is "
+           "taken over (detection starts after half of it)", "syncer"),
+    Option("failslow_advise_after", int, 30, "steps a slowdown lasts before the learner is told "
+           "(on_fail_slow)", "syncer"),
+    Option("failslow_evict_cost", float, 3600.0, "fleet-seconds a slow learner may cost before it is marked "
+           "for eviction", "syncer"),
     Option("uplink_codec", str, "none", "codec learners use for outer gradients (name[:key=value,...], e.g. "
            "int4 or powersgd:rank=4); the syncer accepts any registered codec and logs it per merge",
            "compression"),
@@ -176,7 +189,8 @@ def unknown_environment(environ: dict[str, str]) -> list[str]:
 def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
     from rackmend.service.syncer import ServiceConfig
 
-    syncer = SyncerConfig(**{o.name: values[o.name] for o in OPTIONS if o.section == "syncer"})
+    syncer = SyncerConfig(**{o.name: values[o.name] for o in OPTIONS if o.section == "syncer"},
+                          failslow=not values["no_failslow"])
     overlap = values["overlap"]
     config = RackmendConfig(
         # The syncer learns H and P from the learners' layout; only tau enters its grace window.

@@ -32,6 +32,7 @@ import zmq
 
 from rackmend.config import ConfigError, RackmendConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
+from rackmend.core.failslow import AdviseLearner
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -546,6 +547,10 @@ class SyncerService:
                     self._last_merge[action.record["fragment"]] = {
                         "t": action.record["t"], "version": action.record["version"],
                         "merged": list(action.record["merged"])}
+            elif isinstance(action, AdviseLearner):
+                frames = wire.fail_slow_frames(action.report)
+                for ident in self._ranks_of(action.report.learner):  # every rank: any may act on it
+                    self._send(ident, list(frames))
         if merged:
             seconds = (self.clock() - t0) / len(merged)
             for p in merged:

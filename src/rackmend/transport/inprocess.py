@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from rackmend.config import RackmendConfig
+from rackmend.core.failslow import AdviseLearner, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings, syncer_mismatch
@@ -63,6 +64,7 @@ class InProcessSyncer:
         self._log_file = open(log_path, "a", encoding="utf-8") if log_path else None
         self._inbox: "queue.Queue[Event | None]" = queue.Queue()
         self._outboxes: dict[str, "queue.Queue[Update]"] = {}
+        self._advice: dict[str, "queue.Queue[FailSlowReport]"] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rackmend-syncer", daemon=True)
         self._error: BaseException | None = None
@@ -102,9 +104,12 @@ class InProcessSyncer:
         return [e for e in self.events if e["event"] == "merge"]
 
     # ------------------------------------------------------------------ internals
-    def _register(self, learner_id: str, box: "queue.Queue[Update]") -> None:
+    def _register(self, learner_id: str, box: "queue.Queue[Update]",
+                  advice: "queue.Queue[FailSlowReport] | None" = None) -> None:
         with self._lock:
             self._outboxes[learner_id] = box
+            if advice is not None:
+                self._advice[learner_id] = advice
 
     def _post(self, event: Event) -> None:
         if not self._thread.is_alive():
@@ -150,6 +155,11 @@ class InProcessSyncer:
                     self._log_file.write(json.dumps(action.record) + "\n")
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
+            elif isinstance(action, AdviseLearner):
+                with self._lock:
+                    advice = self._advice.get(action.report.learner)
+                if advice is not None:
+                    advice.put(action.report)
         if merged:
             if self._log_file:
                 self._log_file.flush()
@@ -168,6 +178,16 @@ class InProcessLink(QueueLink):
         self.rank = 0
         self.world_size = 1
         """An in-process link carries a single-process learner (all its fragments)."""
+        self._advice: "queue.Queue[FailSlowReport]" = queue.Queue()
+
+    def poll_advice(self) -> list[FailSlowReport]:
+        """Fail-slow reports for this learner since the last call, oldest first; never blocks."""
+        out = []
+        while True:
+            try:
+                out.append(self._advice.get_nowait())
+            except queue.Empty:
+                return out
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
@@ -181,7 +201,7 @@ class InProcessLink(QueueLink):
         if difference:
             raise TransportError(f"join of {learner_id}: the learner's layout differs from the syncer's: {difference}")
         self.learner_id = learner_id
-        self._hub._register(learner_id, self._box)
+        self._hub._register(learner_id, self._box, self._advice)
         self._hub._post(LearnerJoined(learner_id))
         n = len(self._hub.core.fragments)
         got: dict[int, Update] = {}

@@ -24,6 +24,7 @@ from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
 from rackmend.core.fragments import dtype_name
+from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
 
@@ -45,6 +46,8 @@ __all__ = [
     "ack_frames",
     "parse_ack",
     "fetch_frames",
+    "fail_slow_frames",
+    "parse_fail_slow",
     "parse_contribution",
     "parse_tensors",
     "parse_encoded",
@@ -78,7 +81,8 @@ APPLIED_RULES = tuple(r for r in APPLY_RULES if r != "auto")
 MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
-SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
+SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack", "fail_slow")
+"""What a learner accepts from the syncer (``fail_slow``: advice about its own speed)."""
 CLIENT_TYPES = ("status",)
 """Read-only requests of a client that is not a learner (``rackmend status``): no
 learner id, no rank, never a member of a round."""
@@ -144,6 +148,8 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
         "step_time": float(c.step_time), "session": c.session, "seq": c.seq, "base_epoch": c.base_epoch, **fields,
         **({} if c.merge_gain is None else {"merge_gain": float(c.merge_gain)}),
+        # Optional, so syncers that predate fail-slow detection read the message as before.
+        **({} if c.rank_steps <= 0 else {"rank_steps": c.rank_steps, "rank_step_time": float(c.rank_step_time)}),
     }, frames)
 
 
@@ -178,6 +184,27 @@ def parse_ack(msg: Message, fragments: int) -> int:
 def fetch_frames(learner_id: str, rank: int, fragment: int) -> list[Any]:
     """Ask for the current full-precision value of ``fragment`` (after a lost delta)."""
     return encode({"type": "fetch", "learner": learner_id, "rank": rank, "fragment": fragment})
+
+
+def fail_slow_frames(r: FailSlowReport) -> list[Any]:
+    """The syncer's fail-slow advice to a learner (each of its ranks gets a copy)."""
+    return encode({"type": "fail_slow", "learner": r.learner, "rank": r.rank, "state": r.state,
+                   "ratio": float(r.ratio), "fleet_ratio": float(r.fleet_ratio), "baseline_s": float(r.baseline_s),
+                   "steps": r.steps, "cost_s": float(r.cost_s)})
+
+
+def parse_fail_slow(msg: Message, learner_id: str | None = None) -> FailSlowReport:
+    """A checked ``fail_slow`` message; ``learner_id``: the receiving learner, which it must name."""
+    h = msg.header
+    lid = _field(h, "learner", str)
+    if learner_id is not None and lid != learner_id:
+        raise WireError(f"fail_slow names learner {lid[:40]!r}, this is {learner_id!r}")
+    state = _field(h, "state", str)
+    if state not in REPORT_STATES:
+        raise WireError(f"fail_slow: state {state[:20]!r} is not one of {', '.join(REPORT_STATES)}")
+    values = {k: float(_field(h, k, (int, float), minimum=0)) for k in ("ratio", "fleet_ratio", "baseline_s", "cost_s")}
+    return FailSlowReport(learner=lid, rank=_field(h, "rank", int, minimum=0), state=state,
+                          steps=_field(h, "steps", int, minimum=0), **values)
 
 
 def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
@@ -407,6 +434,9 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     if counters["base_epoch"] > MAX_EPOCH:
         raise WireError(f"field 'base_epoch' must be <= {MAX_EPOCH}, got {counters['base_epoch']}")
     gain = float(_field(h, "merge_gain", (int, float))) if "merge_gain" in h else None
+    if "rank_steps" in h:
+        counters["rank_steps"] = _field(h, "rank_steps", int, minimum=1)
+        counters["rank_step_time"] = float(_field(h, "rank_step_time", (int, float), minimum=0))
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
                         **counters)
@@ -436,3 +466,4 @@ def parse_status_reply(msg: Message) -> tuple[int, dict[str, Any]]:
             if key == "fragments":
                 _field(entry, "version", int, minimum=0)
     return nonce, status
+                        rank=h["rank"], **counters)

@@ -1,0 +1,521 @@
+"""Fail-slow detection and the mitigation ladder, sans I/O.
+
+What lives here: a change-point detector on one stream of step times
+(``StepTimeDetector``, one per learner rank) and the per-learner ladder built on it
+(``FailSlowMonitor``), which turns the detector's verdicts into typed actions
+(``FailSlowBlip``, ``StopExpecting``, ``AdviseLearner``, ``MarkForEviction``,
+``RestoreLearner``). What does not: clocks, sockets, logging. The syncer core feeds
+the monitor with accepted contributions and ``now``, applies the actions to its
+membership and turns each into a log record; the service sends ``AdviseLearner``
+reports to the learner.
+
+The detector works on log step time, so a slowdown is a shift of the mean and one
+threshold fits every model's step scale. Inputs are typical step times over a number
+of steps (a contribution reports the sending rank's median step time since its
+previous send: a median, so one x5 step in a window of six does not read as a window
+67 % slower); a sample over n steps is treated as n steps at that level, its spread
+sqrt(n) smaller, so a stream of windows and a stream of single steps give the same
+statistics.
+
+- **Baseline**: the weighted median and MAD (per-step scale) of the stream's own
+  history, admitted with a lag of ``baseline_steps / 2`` steps: a slow ramp cannot
+  drag the baseline up before it is caught, and samples of a confirmed slowdown are
+  never admitted.
+- **Change point**: one-sided CUSUMs on the standardised, clipped log step time, one
+  per design shift (2, 4 and 8 times the smallest slowdown of interest), each with the
+  threshold that gives the configured false-alarm rate (Siegmund's approximation of
+  the in-control run length). Clipping at ``CLIP_SIGMA`` bounds what one spike adds.
+- **Confirmation**: an alarm counts once ``min_steps`` steps since its onset were
+  each at least ``min_slowdown`` slower than the baseline (a sample of n steps counts
+  n), and the weighted median of the samples since the onset is at least
+  ``min_slowdown`` above the baseline, both on its own and after subtracting the
+  fleet's shift over the same time (a slowdown the whole fleet shares is the
+  workload, not a sick rack). An alarm that falls back before it is confirmed is a
+  *blip*.
+- **Recovery**: the mirror image: a CUSUM for the step back from the slow level to
+  the baseline, confirmed like a slowdown (``min_steps`` steps back below
+  ``min_slowdown``, and the median since its onset too).
+
+Detection delay has a floor set by the noise, not by the code: to tell a shift of
+delta (in units of the per-step log noise sigma) from noise at a false-alarm run
+length A, any detector needs about ln(A) / (delta**2 / 2) steps (Lorden). With
+per-step noise of coefficient of variation 0.3 (sigma ~ 0.29) a 1.2x slowdown has
+delta ~ 0.62 and needs ~ 60 steps at A = 1e6; see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+__all__ = [
+    "StepTimeDetector",
+    "FailSlowMonitor",
+    "FailSlowReport",
+    "FailSlowBlip",
+    "StopExpecting",
+    "AdviseLearner",
+    "MarkForEviction",
+    "RestoreLearner",
+    "FailSlowAction",
+    "REPORT_STATES",
+    "CLIP_SIGMA",
+    "BASELINE_MIN_SAMPLES",
+    "MIN_SIGMA",
+    "DESIGN_MULTIPLES",
+    "cusum_threshold",
+]
+
+CLIP_SIGMA = 3.0
+"""Standardised samples are clipped to [-this, k + this] before they enter a CUSUM of
+reference value k: a single x5 spike (~5.5 sigma at CV 0.3) adds at most this, so it
+cannot raise an alarm alone."""
+
+MIN_SIGMA = 0.01
+"""Floor of the per-step log step-time scale (about 1 %): on a nearly noiseless
+stream a 0.1 % wobble would otherwise be many sigma."""
+
+DESIGN_MULTIPLES = (2.0, 4.0, 8.0)
+"""Shifts the CUSUMs are tuned for, as multiples of log(1 + min_slowdown): with the
+default 10 %, about 1.2x, 1.46x and 2.1x. Each catches shifts near its own size
+fastest; the smallest slowdown itself is left to the 1.2x one (a CUSUM tuned to 1.1x
+would need a far higher threshold and be slower on everything else)."""
+
+BASELINE_MIN_SAMPLES = 128
+"""The baseline keeps at least this many samples, even when they span more than
+``baseline_steps`` steps: with windows of 6 steps, 256 steps are 43 samples, whose
+median and spread are off by enough to turn a false alarm per 1e7 steps into one per
+1e5 (benchmarks/failslow.py --window 6). Detection starts at half of both."""
+
+REPORT_STATES = ("blip", "slow", "evict", "restored")
+"""What a ``FailSlowReport`` says happened."""
+
+
+def cusum_threshold(k: float, arl0: float) -> float:
+    """Threshold h (in sigma) of a one-sided CUSUM with reference value ``k`` (in sigma)
+    whose mean run length without a change is about ``arl0`` samples (Siegmund:
+    ARL0 = (exp(2kb) - 2kb - 1) / (2k^2), b = h + 1.166), by bisection."""
+    def arl(h: float) -> float:
+        b = 2 * k * (h + 1.166)
+        return (math.expm1(b) - b) / (2 * k * k) if b < 700 else math.inf
+
+    lo, hi = 0.0, 1.0
+    while arl(hi) < arl0:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if arl(mid) < arl0 else (lo, mid)
+    return hi
+
+
+def _wmedian(samples: Sequence[tuple[float, int]]) -> float:
+    """Median of ``(value, weight)`` pairs, each value counted ``weight`` times."""
+    ordered = sorted(samples)
+    half = sum(n for _, n in ordered) / 2
+    acc = 0
+    for x, n in ordered:
+        acc += n
+        if acc >= half:
+            return x
+    return ordered[-1][0]
+
+
+@dataclass
+class _Cusum:
+    k: float
+    h: float
+    s: float = 0.0
+    onset: int = 0
+    """Step count at which ``s`` last left zero: the change's estimated start."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one sample changed: ``kind`` in blip | slow | restored, with the evidence."""
+
+    kind: str
+    shift: float
+    """Log step time above the baseline: median of the samples since the onset."""
+    fleet_shift: float
+    """The fleet's log shift over the same time, subtracted in the fleet-relative check."""
+    steps: int
+    """Steps from the change's onset to this sample."""
+
+
+class StepTimeDetector:
+    """Baseline and change-point detection on one stream of step times (one rank).
+
+    ``add(seconds, steps, fleet_shift)`` takes the mean step time over ``steps`` steps
+    and returns a ``Verdict`` when the stream's state changes (or a blip ends), else
+    None. ``fleet_shift`` is the fleet's current log shift (``FailSlowMonitor``
+    computes it from the other learners); 0 checks the stream against itself only."""
+
+    def __init__(self, *, min_slowdown: float = 0.10, min_steps: int = 10,
+                 false_alarm_steps: float = 1e7, baseline_steps: int = 256) -> None:
+        if not min_slowdown > 0 or min_steps < 1 or not false_alarm_steps > 1 or baseline_steps < 8:
+            raise ValueError("min_slowdown > 0, min_steps >= 1, false_alarm_steps > 1 and baseline_steps >= 8 "
+                             f"are needed, got {min_slowdown}, {min_steps}, {false_alarm_steps}, {baseline_steps}")
+        self.min_shift = math.log1p(min_slowdown)
+        self.min_steps = min_steps
+        self.baseline_steps = baseline_steps
+        self.lag_steps = baseline_steps // 2
+        self.arl0 = false_alarm_steps * len(DESIGN_MULTIPLES)  # the CUSUMs' alarm rates add up
+        self.steps = 0
+        """Steps seen (the sum of ``steps`` over every sample)."""
+        self.slow = False
+        self.mu: float | None = None
+        """Baseline log step time; None while warming up."""
+        self.sigma = MIN_SIGMA
+        """Per-step scale of log step time around the baseline (robust)."""
+        self.slow_level = 0.0
+        self._base: deque[tuple[float, int]] = deque()
+        self._base_steps = 0
+        self._probation: deque[tuple[int, float, int]] = deque()
+        """(step count at the sample's end, log value, steps), waiting ``lag_steps`` to enter the baseline."""
+        self._recent: deque[tuple[int, float, int]] = deque()
+        """The last ``baseline_steps`` steps' samples, for the medians since an onset."""
+        self._cusums: list[_Cusum] = []
+        self._down = _Cusum(1.0, 1.0)
+        """While slow: the CUSUM for the step back from the slow level to the baseline."""
+        self._alarmed = 0
+        """Samples in the current unconfirmed alarm."""
+        self._blip_steps = 0
+        self._blip_shift = 0.0
+        self._dirty = 0
+
+    # ------------------------------------------------------------------ public
+    def add(self, seconds: float, steps: int = 1, fleet_shift: float = 0.0) -> Verdict | None:
+        if steps <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return None
+        x = math.log(seconds)
+        self.steps += steps
+        self._recent.append((self.steps, x, steps))
+        while self._recent and self._recent[0][0] <= self.steps - self.baseline_steps:
+            self._recent.popleft()
+        if self.mu is None or self._dirty * 8 >= len(self._base):
+            self._refresh()
+        if self.mu is None:
+            self._admit(x, steps)
+            return None
+        return self._watch_recovery(x, steps, fleet_shift) if self.slow else self._watch_slowdown(x, steps, fleet_shift)
+
+    def current_shift(self) -> float | None:
+        """Log shift of the last ``min_steps`` steps above the baseline (None while warming up)."""
+        if self.mu is None or not self._recent:
+            return None
+        return _wmedian(self._since(self.steps - self.min_steps)) - self.mu
+
+    @property
+    def baseline_seconds(self) -> float | None:
+        return None if self.mu is None else math.exp(self.mu)
+
+    # ------------------------------------------------------------------ internals
+    def _since(self, step: int) -> list[tuple[float, int]]:
+        """Samples ending after ``step`` (at least the newest one)."""
+        out = [(x, n) for end, x, n in self._recent if end > step]
+        return out or [(self._recent[-1][1], self._recent[-1][2])]
+
+    def _steps_where(self, step: int, slow: bool) -> int:
+        """Steps since ``step`` in samples at least ``min_shift`` above the baseline
+        (``slow``), or below that (not ``slow``)."""
+        assert self.mu is not None
+        limit = self.mu + self.min_shift
+        return sum(n for end, x, n in self._recent if end > step and (x >= limit) == slow)
+
+    def _z(self, x: float, center: float) -> float:
+        return (x - center) / self.sigma
+
+    def _admit(self, x: float, steps: int) -> None:
+        """Queue a sample for the baseline; those older than the lag enter it."""
+        self._probation.append((self.steps, x, steps))
+        warming = self.mu is None
+        while self._probation and (warming or self._probation[0][0] <= self.steps - self.lag_steps):
+            _, value, n = self._probation.popleft()
+            self._base.append((value, n))
+            self._base_steps += n
+            self._dirty += 1
+            while (self._base_steps - self._base[0][1] >= self.baseline_steps
+                   and len(self._base) > BASELINE_MIN_SAMPLES):
+                self._base_steps -= self._base.popleft()[1]
+
+    def _refresh(self) -> None:
+        """Baseline from the admitted history: weighted median, and 1.4826 x the weighted
+        median absolute deviation scaled to one step (a mean of n steps varies sqrt(n) less)."""
+        self._dirty = 0
+        if self._base_steps < self.baseline_steps // 2 or len(self._base) < BASELINE_MIN_SAMPLES // 2:
+            return
+        mu = _wmedian(list(self._base))
+        mad = _wmedian([(abs(x - mu) * math.sqrt(n), n) for x, n in self._base])
+        sigma = max(1.4826 * mad, MIN_SIGMA)
+        if self.mu is None or abs(sigma - self.sigma) > 1e-12:
+            self.sigma = sigma
+            self._design()
+        self.mu = mu
+
+    def _design(self) -> None:
+        """k and h of each CUSUM for the current sigma; running sums carry over (a new
+        sigma from a baseline refresh is no reason to forget evidence gathered)."""
+        old = self._cusums
+        self._cusums = []
+        for i, m in enumerate(DESIGN_MULTIPLES):
+            k = m * self.min_shift / 2 / self.sigma
+            c = _Cusum(k, cusum_threshold(k, self.arl0), 0.0, self.steps)
+            if i < len(old):
+                c.s, c.onset = old[i].s, old[i].onset
+            self._cusums.append(c)
+
+    def _step(self, cusums: list[_Cusum], z: float, steps: int) -> None:
+        for c in cusums:
+            if c.s == 0.0:
+                c.onset = self.steps - steps
+            # Clipped around k, so a CUSUM tuned to a shift larger than the clip still moves;
+            # a sample of n steps varies sqrt(n) less, so its clip is that much tighter.
+            clip = CLIP_SIGMA / math.sqrt(steps)
+            c.s = max(0.0, c.s + steps * (max(-clip, min(c.k + clip, z)) - c.k))
+
+    def _watch_slowdown(self, x: float, steps: int, fleet_shift: float) -> Verdict | None:
+        assert self.mu is not None
+        self._step(self._cusums, self._z(x, self.mu), steps)
+        self._admit(x, steps)
+        alarms = [c for c in self._cusums if c.s > c.h]
+        if not alarms:
+            if self._alarmed and all(c.s == 0.0 for c in self._cusums):
+                # One alarmed sample is a spike, not worth a log line; more is a blip.
+                blip = self._alarmed > 1
+                self._alarmed = 0
+                return Verdict("blip", self._blip_shift, fleet_shift, self._blip_steps) if blip else None
+            return None
+        self._alarmed += 1
+        onset = min(c.onset for c in alarms)
+        self._blip_steps = lasted = self.steps - onset
+        self._blip_shift = _wmedian(self._since(onset)) - self.mu
+        # "Lasting min_steps": that many steps since the onset were slow by min_shift,
+        # not merely that many steps passed (a 5-step stall keeps the CUSUM up longer).
+        if self._steps_where(onset, slow=True) < self.min_steps:
+            return None
+        shift = self._blip_shift
+        if shift < self.min_shift or shift - fleet_shift < self.min_shift:
+            return None
+        self.slow, self._alarmed = True, 0
+        self.slow_level = self.mu + shift
+        # Samples of the slowdown must never become baseline.
+        self._probation.clear()
+        gap = max(shift, self.min_shift)
+        k = gap / 2 / self.sigma
+        self._down = _Cusum(k, cusum_threshold(k, self.arl0 / len(DESIGN_MULTIPLES)), 0.0, self.steps)
+        return Verdict("slow", shift, fleet_shift, lasted)
+
+    def _watch_recovery(self, x: float, steps: int, fleet_shift: float) -> Verdict | None:
+        assert self.mu is not None
+        down = self._down
+        self._step([down], -self._z(x, self.slow_level), steps)
+        if down.s <= down.h:
+            return None
+        lasted = self.steps - down.onset
+        if self._steps_where(down.onset, slow=False) < self.min_steps:
+            return None
+        shift = _wmedian(self._since(down.onset)) - self.mu
+        if shift >= self.min_shift and shift - fleet_shift >= self.min_shift:
+            return None
+        self.slow = False
+        for c in self._cusums:
+            c.s, c.onset = 0.0, self.steps
+        return Verdict("restored", shift, fleet_shift, lasted)
+
+
+# ------------------------------------------------------------------ the ladder
+@dataclass(frozen=True)
+class FailSlowReport:
+    """What the syncer found about one learner; sent to it with ``AdviseLearner``."""
+
+    learner: str
+    rank: int
+    """The learner's slowest rank (the one the verdict is about)."""
+    state: str
+    """One of ``REPORT_STATES``."""
+    ratio: float
+    """Step time now over its own baseline (2.0: twice as slow)."""
+    fleet_ratio: float
+    """``ratio`` over the fleet's own change in the same time (1.0 when alone)."""
+    baseline_s: float
+    """Baseline seconds per step of that rank."""
+    steps: int
+    """Steps the slowdown has lasted (for ``restored``: the steps back at normal speed)."""
+    cost_s: float = 0.0
+    """Fleet-seconds the slowdown cost or would cost in lockstep (see ``MarkForEviction``)."""
+
+
+@dataclass(frozen=True)
+class FailSlowBlip:
+    """Rung 0: a change that did not last or was too small; ignored, logged."""
+
+    report: FailSlowReport
+
+
+@dataclass(frozen=True)
+class StopExpecting:
+    """Rung 1: rounds stop waiting for this learner; its work still merges when it arrives."""
+
+    report: FailSlowReport
+
+
+@dataclass(frozen=True)
+class AdviseLearner:
+    """Rung 2 (and its follow-ups): send ``report`` to every rank of the learner, whose
+    ``on_fail_slow`` hook decides (shrink the batch, rebalance, log)."""
+
+    report: FailSlowReport
+
+
+@dataclass(frozen=True)
+class MarkForEviction:
+    """Rung 3: the slowdown has cost more than ``failslow_evict_cost`` fleet-seconds.
+    The syncer only marks it (an operator or orchestrator replaces the rack)."""
+
+    report: FailSlowReport
+
+
+@dataclass(frozen=True)
+class RestoreLearner:
+    """Back to normal speed: rounds wait for it again; any eviction mark is withdrawn."""
+
+    report: FailSlowReport
+
+
+FailSlowAction = Union[FailSlowBlip, StopExpecting, AdviseLearner, MarkForEviction, RestoreLearner]
+
+
+@dataclass
+class _Case:
+    """A learner's place on the ladder while it is flagged slow."""
+
+    slow_ranks: set[int] = field(default_factory=set)
+    steps: int = 0
+    cost_s: float = 0.0
+    advised: bool = False
+    evict: bool = False
+
+
+class FailSlowMonitor:
+    """Per learner and rank step-time detectors, and the ladder over them.
+
+    ``observe(learner, rank, step, seconds, steps, fleet_size)`` feeds one
+    contribution's timing and returns the ladder's typed actions. The caller applies
+    them (membership) and logs them; ``forget`` drops a learner that left or rejoined.
+    """
+
+    def __init__(self, *, min_slowdown: float = 0.10, min_steps: int = 10, false_alarm_steps: float = 1e7,
+                 baseline_steps: int = 256, advise_after: int = 30, evict_cost: float = 3600.0) -> None:
+        self._detector_args = dict(min_slowdown=min_slowdown, min_steps=min_steps,
+                                   false_alarm_steps=false_alarm_steps, baseline_steps=baseline_steps)
+        StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]  # surfaces bad arguments now
+        self.advise_after = advise_after
+        self.evict_cost = evict_cost
+        self.detectors: dict[tuple[str, int], StepTimeDetector] = {}
+        self.last_step: dict[tuple[str, int], int] = {}
+        self.cases: dict[str, _Case] = {}
+        """Learners flagged slow, by id."""
+
+    def is_slow(self, learner: str) -> bool:
+        return learner in self.cases
+
+    def forget(self, learner: str) -> None:
+        for key in [k for k in self.detectors if k[0] == learner]:
+            del self.detectors[key]
+            self.last_step.pop(key, None)
+        self.cases.pop(learner, None)
+
+    def observe(self, learner: str, rank: int, step: int, seconds: float, steps: int,
+                fleet_size: int) -> list[FailSlowAction]:
+        """One sample: the rank's mean ``seconds`` per step over ``steps`` steps ending
+        at inner step ``step``. With ``steps`` 0 (a sender that does not report per-rank
+        times) the steps since this rank's previous sample are used, ``seconds`` being
+        the contribution's mean. ``fleet_size``: learners whose rounds count (for the cost)."""
+        key = (learner, rank)
+        last = self.last_step.get(key)
+        if last is not None and step <= last:
+            return []  # an older send arriving late, or a restart from a checkpoint: no new steps
+        self.last_step[key] = step
+        if steps <= 0:
+            if last is None:
+                return []  # nothing says how many steps the mean covers
+            steps = step - last
+        det = self.detectors.get(key)
+        if det is None:
+            det = self.detectors[key] = StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]
+        verdict = det.add(seconds, steps, self._fleet_shift(learner))
+        out: list[FailSlowAction] = []
+        case = self.cases.get(learner)
+        if verdict is not None and verdict.kind == "blip":
+            out.append(FailSlowBlip(self._report(learner, rank, "blip", verdict.shift, verdict.fleet_shift,
+                                                 verdict.steps)))
+        elif verdict is not None and verdict.kind == "slow":
+            fleet_s = self._fleet_seconds(learner)
+            base = det.baseline_seconds or seconds
+            extra = max(0.0, base * math.exp(verdict.shift) - (fleet_s or base))
+            if case is None:
+                case = self.cases[learner] = _Case()
+                case.steps = verdict.steps
+                case.cost_s = extra * verdict.steps * max(fleet_size - 1, 0)
+                case.slow_ranks.add(rank)
+                out.append(StopExpecting(self._report(learner, rank, "slow", verdict.shift, verdict.fleet_shift,
+                                                      case.steps, case.cost_s)))
+            case.slow_ranks.add(rank)
+        elif verdict is not None and verdict.kind == "restored" and case is not None:
+            case.slow_ranks.discard(rank)
+            if not case.slow_ranks:
+                del self.cases[learner]
+                report = self._report(learner, rank, "restored", verdict.shift, verdict.fleet_shift,
+                                      verdict.steps, case.cost_s)
+                out.append(RestoreLearner(report))
+                if case.advised or case.evict:
+                    out.append(AdviseLearner(report))
+                return out
+        if case is None or rank not in case.slow_ranks:
+            return out
+        if verdict is None:  # one more step of a slowdown already counted
+            case.steps += steps
+            fleet_s = self._fleet_seconds(learner)
+            base = det.baseline_seconds or seconds
+            case.cost_s += max(0.0, seconds - (fleet_s or base)) * steps * max(fleet_size - 1, 0)
+        slowest = self._slowest_rank(learner, case)
+        shift = self.detectors[(learner, slowest)].current_shift() or 0.0
+        if not case.advised and case.steps >= self.advise_after:
+            case.advised = True
+            out.append(AdviseLearner(self._report(learner, slowest, "slow", shift, self._fleet_shift(learner),
+                                                  case.steps, case.cost_s)))
+        if not case.evict and case.cost_s >= self.evict_cost:
+            case.evict = True
+            report = self._report(learner, slowest, "evict", shift, self._fleet_shift(learner), case.steps,
+                                  case.cost_s)
+            out += [MarkForEviction(report), AdviseLearner(report)]
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _slowest_rank(self, learner: str, case: _Case) -> int:
+        return max(sorted(case.slow_ranks), key=lambda r: self.detectors[(learner, r)].current_shift() or 0.0)
+
+    def _others(self, learner: str) -> list[StepTimeDetector]:
+        """Detectors of the other learners that have a baseline and are not flagged."""
+        return [d for (lid, _), d in self.detectors.items()
+                if lid != learner and lid not in self.cases and d.mu is not None]
+
+    def _fleet_shift(self, learner: str) -> float:
+        """Median log shift of the other healthy learners' last steps (0 alone)."""
+        shifts = sorted(s for d in self._others(learner) if (s := d.current_shift()) is not None)
+        return shifts[len(shifts) // 2] if shifts else 0.0
+
+    def _fleet_seconds(self, learner: str) -> float | None:
+        """Median seconds per step of the other healthy learners' last steps."""
+        levels = sorted(math.exp(d.mu + (d.current_shift() or 0.0)) for d in self._others(learner)
+                        if d.mu is not None)
+        return levels[len(levels) // 2] if levels else None
+
+    def _report(self, learner: str, rank: int, state: str, shift: float, fleet_shift: float, steps: int,
+                cost_s: float = 0.0) -> FailSlowReport:
+        det = self.detectors[(learner, rank)]
+        return FailSlowReport(learner=learner, rank=rank, state=state, ratio=math.exp(shift),
+                              fleet_ratio=math.exp(shift - fleet_shift), baseline_s=det.baseline_seconds or 0.0,
+                              steps=steps, cost_s=cost_s)

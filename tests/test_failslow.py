@@ -1,0 +1,296 @@
+"""Fail-slow detection and its ladder: the detector on small synthetic traces (the
+benchmark's checks at a small size), the syncer core walking the whole ladder and
+back under a fake clock, the wire message, and a real syncer with a learner process
+that turns slow."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from failslow import windows  # noqa: E402
+
+from procs import events, wait_for  # noqa: E402
+from rackmend import ConfigError, RackmendConfig, ScheduleConfig, SyncerConfig  # noqa: E402
+from rackmend.core import (  # noqa: E402
+    AdviseLearner,
+    Contribution,
+    ContributionArrived,
+    FailSlowReport,
+    FragmentSpec,
+    LearnerJoined,
+    LogRecord,
+    MarkForEviction,
+    RestoreLearner,
+    SendUpdate,
+    StepTimeDetector,
+    StopExpecting,
+    SyncerCore,
+    TensorSpec,
+)
+from rackmend.transport import wire  # noqa: E402
+
+
+# ------------------------------------------------------------------ the detector
+def trace(kind: str, seed: int, cv: float, n: int, warmup: int = 600, slow: int = 300,
+          window: int = 1) -> list[tuple[int, str]]:
+    """(step index, verdict kind) of every verdict the detector gives on a benchmark trace."""
+    det = StepTimeDetector()
+    rng = random.Random(f"test-{kind}-{cv}-{seed}")
+    out = []
+    for end, seconds, steps in windows(kind, n, warmup, slow, window, rng, cv, 0.002):
+        v = det.add(seconds, steps)
+        if v is not None:
+            out.append((end, v.kind))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_jitter_and_spikes_raise_no_alarm(seed: int) -> None:
+    verdicts = trace("jitter", seed, 0.3, 20_000)
+    assert [v for v in verdicts if v[1] == "slow"] == []
+
+
+@pytest.mark.parametrize("kind, cv, target", [
+    ("2x", 0.3, 10),  # the issue's targets where the noise allows them
+    ("2x", 0.1, 10),
+    ("1.2x", 0.1, 30),
+    ("ramp", 0.1, 40),
+    # At CV 0.3 per step 1.2x needs ~60 steps at this false-alarm rate whatever the
+    # detector (module docstring of rackmend.core.failslow); bound what it does.
+    ("1.2x", 0.3, 100),
+    ("ramp", 0.3, 65),
+])
+def test_slowdown_flagged_within_target_then_restored(kind: str, cv: float, target: int) -> None:
+    warmup, slow = 600, 300
+    verdicts = trace(kind, 0, cv, 1200, warmup, slow)
+    slow_at = [end for end, k in verdicts if k == "slow"]
+    restored_at = [end for end, k in verdicts if k == "restored"]
+    # min_steps=10 counts from the estimated onset, which noise can put a step or two early.
+    assert slow_at and warmup + 8 <= slow_at[0] <= warmup + target, verdicts
+    assert len(slow_at) == 1 and len(restored_at) == 1, verdicts  # no flapping
+    assert warmup + slow < restored_at[0] <= warmup + slow + max(60, target), verdicts
+
+
+def test_windowed_means_are_detected_like_steps() -> None:
+    """A contribution reports a mean over several steps: same detection, rounded to windows."""
+    verdicts = trace("2x", 0, 0.3, 1200, window=6)
+    slow_at = [end for end, k in verdicts if k == "slow"]
+    assert slow_at and 610 <= slow_at[0] <= 624, verdicts
+
+
+def test_short_stall_is_a_blip_not_a_slowdown() -> None:
+    det = StepTimeDetector(baseline_steps=64)
+    rng = random.Random(3)
+    kinds = []
+    for i in range(400):
+        stall = 4.0 if 200 <= i < 205 else 1.0  # 5 steps, fewer than min_steps
+        v = det.add(0.1 * stall * rng.lognormvariate(0, 0.05))
+        if v is not None:
+            kinds.append(v.kind)
+    assert kinds == ["blip"]
+
+
+def test_bad_detector_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_slowdown"):
+        StepTimeDetector(min_slowdown=0)
+    with pytest.raises(ConfigError, match="failslow_min_steps"):
+        SyncerConfig(failslow_min_steps=0)
+    with pytest.raises(ConfigError, match="failslow_evict_cost"):
+        SyncerConfig(failslow_evict_cost=-1)
+
+
+# ------------------------------------------------------------------ the ladder in the core
+N = 4
+STEPS = 4  # inner steps per contribution (each learner sends one fragment per round)
+
+
+def make_core(**syncer) -> SyncerCore:
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=1),
+        syncer=SyncerConfig(min_quorum=2, learners=("a", "b", "c"), grace_max=5.0, outer_optimizer="SGD",
+                            outer_lr=1.0, outer_kwargs={}, failslow_baseline_steps=64, failslow_min_steps=10,
+                            failslow_advise_after=20, failslow_evict_cost=6.0, **syncer),
+    )
+    core = SyncerCore(config, [FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))], [[torch.zeros(N)]])
+    for lid in "abc":
+        core.handle(LearnerJoined(lid), 0.0)
+    return core
+
+
+class Fleet:
+    """Three learners sending one contribution per round; c's steps take ``factor`` x."""
+
+    def __init__(self, core: SyncerCore) -> None:
+        self.core = core
+        self.now = 0.0
+        self.step = 0
+        self.rng = random.Random(0)
+        self.log: list[dict] = []
+        self.typed: list[object] = []
+
+    def round(self, factor: float = 1.0, fleet: float = 1.0) -> list[dict]:
+        """One round: a and b, then c; returns the merge records."""
+        self.step += STEPS
+        merges = []
+        for lid in "abc":
+            seconds = 0.1 * fleet * (factor if lid == "c" else 1.0) * self.rng.lognormvariate(0, 0.03)
+            c = Contribution(lid, 0, self.core.versions[0], self.step, STEPS, 4.0 * STEPS, seconds,
+                             (torch.ones(N),), rank=1 if lid == "c" else 0, rank_steps=STEPS,
+                             rank_step_time=seconds)
+            for a in self.core.handle(ContributionArrived(c), self.now):
+                if isinstance(a, LogRecord):
+                    self.log.append(a.record)
+                    if a.record["event"] == "merge":
+                        merges.append(a.record)
+                elif not isinstance(a, SendUpdate):
+                    self.typed.append(a)
+        self.now += STEPS * 0.1 * fleet
+        return merges
+
+    def failslow(self) -> list[dict]:
+        return [r for r in self.log if r["event"].startswith("failslow_")]
+
+
+def test_core_walks_the_ladder_and_back() -> None:
+    core = make_core()
+    fleet = Fleet(core)
+    for _ in range(70):  # 280 healthy steps: baselines learnt (64 samples at least)
+        fleet.round()
+    assert fleet.failslow() == [] and fleet.typed == []
+    assert core.expected_learners() == {"a", "b", "c"}
+    estimate = core.xi_step.value
+
+    for _ in range(20):  # c turns 2x slow
+        fleet.round(factor=2.0)
+    names = [r["event"] for r in fleet.failslow()]
+    assert names[:2] == ["failslow_slow", "failslow_advise"], names
+    slow = fleet.failslow()[0]
+    assert slow["learner"] == "c" and slow["rank"] == 1 and 1.8 < slow["ratio"] < 2.2 and slow["steps"] >= 10
+    assert "rounds stop waiting" in slow["reason"]
+    stop, advise = fleet.typed[:2]
+    assert isinstance(stop, StopExpecting) and stop.report.learner == "c" and stop.report.state == "slow"
+    assert isinstance(advise, AdviseLearner) and advise.report.state == "slow" and advise.report.rank == 1
+    assert advise.report.steps >= 20  # failslow_advise_after
+    assert core.expected_learners() == {"a", "b"}
+    # The grace window's step-time estimate no longer takes c's slow steps.
+    assert core.xi_step.value == pytest.approx(estimate, rel=0.1)
+    # Rounds close once a and b are in; c's work still merges (in the next round).
+    merges = fleet.round(factor=2.0)
+    assert [m["merged"] for m in merges] == [["a", "b"]]
+    merges = fleet.round(factor=2.0)
+    assert "c" in merges[0]["merged"] and merges[0]["weights"]["c"] > 0
+
+    # Its cost (0.1 s extra per step x steps x 2 others) passes failslow_evict_cost=6 s.
+    assert [r["event"] for r in fleet.failslow()][2:4] == ["failslow_evict", "failslow_advise"]
+    evict = [r for r in fleet.failslow() if r["event"] == "failslow_evict"]
+    assert len(evict) == 1 and 6.0 <= evict[0]["cost_s"] < 8.0
+    assert any(isinstance(a, MarkForEviction) for a in fleet.typed)
+    assert any(isinstance(a, AdviseLearner) and a.report.state == "evict" for a in fleet.typed)
+
+    before = len(fleet.typed)
+    for _ in range(30):  # back to normal
+        fleet.round()
+    restored = [a for a in fleet.typed[before:] if isinstance(a, RestoreLearner)]
+    assert len(restored) == 1 and restored[0].report.learner == "c"
+    told = [a for a in fleet.typed[before:] if isinstance(a, AdviseLearner)]
+    assert [a.report.state for a in told] == ["restored"]
+    assert [r["event"] for r in fleet.failslow()][-2:] == ["failslow_restore", "failslow_advise"]
+    assert core.expected_learners() == {"a", "b", "c"}  # rounds wait for it again
+
+
+def test_a_slowdown_the_whole_fleet_shares_is_not_fail_slow() -> None:
+    core = make_core()
+    fleet = Fleet(core)
+    for _ in range(70):
+        fleet.round()
+    for _ in range(30):
+        fleet.round(fleet=1.5)  # everyone 1.5x: longer sequences, a shared filesystem...
+    assert [r for r in fleet.failslow() if r["event"] == "failslow_slow"] == []
+    assert core.expected_learners() == {"a", "b", "c"}
+
+
+def test_off_and_deterministic_runs_have_no_detector() -> None:
+    assert make_core(failslow=False).failslow is None
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=0),
+                            syncer=SyncerConfig(learners=("a",)), deterministic=True)
+    core = SyncerCore(config, [FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))], [[torch.zeros(N)]])
+    assert core.failslow is None
+
+
+def test_absurd_rank_step_time_is_rejected() -> None:
+    core = make_core()
+    c = Contribution("a", 0, 0, 4, 4, 16.0, 0.1, (torch.ones(N),), rank_steps=4, rank_step_time=1e9)
+    (rej,) = [a.record for a in core.handle(ContributionArrived(c), 0.0)
+              if isinstance(a, LogRecord) and a.record["event"] == "reject"]
+    assert "rank_step_time" in rej["reason"]
+
+
+# ------------------------------------------------------------------ the wire
+def test_fail_slow_message_round_trips_and_is_validated() -> None:
+    r = FailSlowReport(learner="l1", rank=2, state="slow", ratio=2.0, fleet_ratio=1.9, baseline_s=0.1, steps=12,
+                       cost_s=3.5)
+    msg = wire.decode_header(wire.fail_slow_frames(r), wire.SYNCER_TYPES, 1 << 20)
+    assert wire.parse_fail_slow(msg, "l1") == r
+    with pytest.raises(wire.WireError, match="names learner"):
+        wire.parse_fail_slow(msg, "other")
+    for bad in ({"state": "dead"}, {"ratio": -1.0}, {"steps": "many"}, {"ratio": float("nan")}):
+        msg = wire.decode_header(wire.fail_slow_frames(r), wire.SYNCER_TYPES, 1 << 20)
+        msg.header.update(bad)
+        with pytest.raises(wire.WireError):
+            wire.parse_fail_slow(msg, "l1")
+
+
+def test_contribution_rank_timing_round_trips_and_old_messages_stay_valid() -> None:
+    spec = FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))
+    c = Contribution("l1", 0, 0, 8, 8, 64.0, 0.2, (torch.ones(N),), session=5, seq=1, rank_steps=3,
+                     rank_step_time=0.25)
+    got = wire.parse_contribution(wire.decode_header(wire.contribution_frames(c, 1), wire.LEARNER_TYPES, 1 << 20),
+                                  [spec])
+    assert (got.rank, got.rank_steps, got.rank_step_time) == (1, 3, 0.25)
+    old = wire.decode_header(wire.contribution_frames(c, 0), wire.LEARNER_TYPES, 1 << 20)
+    del old.header["rank_steps"], old.header["rank_step_time"]  # as a learner before this field sends it
+    got = wire.parse_contribution(old, [spec])
+    assert (got.rank_steps, got.rank_step_time, got.step_time) == (0, 0.0, 0.2)
+    bad = wire.decode_header(wire.contribution_frames(c, 0), wire.LEARNER_TYPES, 1 << 20)
+    bad.header["rank_step_time"] = -1.0
+    with pytest.raises(wire.WireError, match="rank_step_time"):
+        wire.parse_contribution(bad, [spec])
+
+
+# ------------------------------------------------------------------ a real syncer and learners
+def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path: Path) -> None:
+    flags = ["--learners", "l0,l1", "--failslow-baseline-steps", "64", "--failslow-min-steps", "8",
+             "--failslow-advise-after", "0", "--grace-max", "0.5"]
+    syncer, endpoint = procs.syncer(*flags)
+    common = ["--step-sleep", "0.03", "--learners", "l0,l1"]
+    fast = procs.learner(endpoint, "l0", "--steps", "320", *common)
+    slow = procs.learner(endpoint, "l1", "--steps", "320", *common, "--slow-from", "120", "--slow-until", "200",
+                         "--slow-factor", "3")
+    alive = (syncer, fast, slow)
+
+    def named(name: str) -> list[dict]:
+        return [e for e in events(tmp_path) if e["event"] == name]
+
+    # This machine's other processes can slow a 30 ms step by 10-30 % for a while, and
+    # flagging that is the detector's job: the test looks for the injected x3 only.
+    def injected() -> list[dict]:
+        return [e for e in named("failslow_slow") if e["ratio"] > 2]
+
+    wait_for(injected, 60, "the slow learner to be flagged", alive)
+    flag = injected()[0]
+    assert flag["learner"] == "l1" and flag["rank"] == 0, flag
+    # The fast learner may finish first (it has no slow window to sit out).
+    wait_for(lambda: [e for e in named("failslow_restore") if e["t"] > flag["t"]], 60,
+             "the slow learner to be restored", (syncer, slow))
+    assert [e["learner"] for e in named("failslow_restore") if e["t"] > flag["t"]][0] == "l1"
+    for p in (fast, slow):
+        assert p.wait(60) == 0
+    out = procs.output("l1")
+    assert "the syncer reports rank 0 fail-slow: 2." in out or "the syncer reports rank 0 fail-slow: 3." in out, out
+    assert "back at normal speed" in out
