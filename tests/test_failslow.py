@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from failslow import windows  # noqa: E402
 
 from procs import events, wait_for  # noqa: E402
-from rackmend import ConfigError, RackmendConfig, ScheduleConfig, SyncerConfig  # noqa: E402
+from rackmend import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig  # noqa: E402
 from rackmend.core import (  # noqa: E402
     AdviseLearner,
     Contribution,
@@ -113,6 +113,9 @@ STEPS = 4  # inner steps per contribution (each learner sends one fragment per r
 def make_core(**syncer) -> SyncerCore:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=1),
+        # A grace window of tau (not H - tau) steps: Fleet never ticks, and its rounds stay
+        # in phase only if a window has run out by the next round's first arrival.
+        learner=LearnerConfig(apply="overwrite"),
         syncer=SyncerConfig(min_quorum=2, learners=("a", "b", "c"), grace_max=5.0, outer_optimizer="SGD",
                             outer_lr=1.0, outer_kwargs={}, failslow_baseline_steps=64, failslow_min_steps=10,
                             failslow_advise_after=20, failslow_evict_cost=6.0, **syncer),
@@ -164,7 +167,7 @@ def test_core_walks_the_ladder_and_back() -> None:
         fleet.round()
     assert fleet.failslow() == [] and fleet.typed == []
     assert core.expected_learners() == {"a", "b", "c"}
-    estimate = core.xi_step.value
+    estimate = core.step_time_estimate()
 
     for _ in range(20):  # c turns 2x slow
         fleet.round(factor=2.0)
@@ -179,7 +182,7 @@ def test_core_walks_the_ladder_and_back() -> None:
     assert advise.report.steps >= 20  # failslow_advise_after
     assert core.expected_learners() == {"a", "b"}
     # The grace window's step-time estimate no longer takes c's slow steps.
-    assert core.xi_step.value == pytest.approx(estimate, rel=0.1)
+    assert core.step_time_estimate() == pytest.approx(estimate, rel=0.1)
     # Rounds close once a and b are in; c's work still merges (in the next round).
     merges = fleet.round(factor=2.0)
     assert [m["merged"] for m in merges] == [["a", "b"]]

@@ -415,8 +415,9 @@ def test_epoch_lineage_across_two_crashes() -> None:
             assert rejected and "another syncer run" in rejected[0]["reason"] and resets, (epoch, base, rejected)
 
 
-def _updates(raw: Raw, fragment: int, timeout: float) -> list[dict]:
-    """Update headers of ``fragment`` that reach ``raw`` within ``timeout`` (others skipped)."""
+def _updates(raw: Raw, fragment: int, timeout: float, version: int | None = None) -> list[dict]:
+    """Update headers of ``fragment`` that reach ``raw`` within ``timeout`` (others
+    skipped), or until one of ``version`` arrives."""
     out, end = [], time.monotonic() + timeout
     while time.monotonic() < end:
         reply = raw.recv(end - time.monotonic())
@@ -424,6 +425,8 @@ def _updates(raw: Raw, fragment: int, timeout: float) -> list[dict]:
             break
         if reply[0]["type"] == "update" and reply[0]["fragment"] == fragment:
             out.append(reply[0])
+            if reply[0]["version"] == version:
+                break
     return out
 
 
@@ -442,7 +445,7 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
     lost_epoch = a.epoch
     for v in range(3):
         a.send(a.contribution(base=v, step=4 * (v + 1)))
-        assert any(u["version"] == v + 1 for u in _updates(a, 0, 10.0)), f"no merge to version {v + 1}"
+        assert any(u["version"] == v + 1 for u in _updates(a, 0, 60.0, v + 1)), f"no merge to version {v + 1}"
     a.close()
     s1.kill()
     s1.wait(10)
@@ -457,7 +460,7 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
         v = kept
         while v < 3:  # the resumed run makes its own versions up to 3, with other values
             b.send(b.contribution(base=v, step=4 * (v + 1), c_tokens=32.0))
-            assert any(u["version"] == v + 1 for u in _updates(b, 0, 10.0))
+            assert any(u["version"] == v + 1 for u in _updates(b, 0, 60.0, v + 1))
             v += 1
         a2.hello()
         before = len(events(tmp_path))
@@ -465,7 +468,7 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
         a2.send(a2.contribution(base=3, step=16))
         errors = a2.errors(10.0)
         assert errors and errors[0]["code"] == "rejected" and "another syncer run" in errors[0]["reason"], errors
-        resets = [u for u in _updates(a2, 0, 5.0) if u["reset"]]
+        resets = [u for u in _updates(a2, 0, 30.0, 3) if u["reset"]]
         assert resets and resets[0]["epoch"] == b.epoch and resets[0]["version"] == 3
         later = events(tmp_path)[before:]
         assert any(e["event"] == "reject" and e["learner"] == "l0" and "epoch" in e["reason"] for e in later)

@@ -439,7 +439,7 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
         counters["rank_step_time"] = float(_field(h, "rank_step_time", (int, float), minimum=0))
     tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
-                        **counters)
+                        rank=h["rank"], **counters)
 
 
 def parse_status_request(msg: Message) -> int:
@@ -466,4 +466,3 @@ def parse_status_reply(msg: Message) -> tuple[int, dict[str, Any]]:
             if key == "fragments":
                 _field(entry, "version", int, minimum=0)
     return nonce, status
-                        rank=h["rank"], **counters)
