@@ -18,6 +18,7 @@ restarts it. The phases, each started by a file the benchmark creates:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -63,12 +64,20 @@ class TappedLink(ZmqLink):
     copy of the global model as the link rebuilt it (deltas, epochs), before the
     optimizer's apply rule decides when to use it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, values_log: Path, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.latest: dict[int, Update] = {}
+        self._values = open(values_log, "a", buffering=1, encoding="utf-8")
 
     def _note(self, updates: Sequence[Update]) -> None:
         for u in updates:
+            # What this learner was given under (epoch, version): the benchmark checks
+            # that no two learners were given different values under the same name.
+            digest = hashlib.sha1()
+            for t in u.tensors:
+                digest.update(t.contiguous().numpy().tobytes())
+            self._values.write(json.dumps({"f": u.fragment, "e": u.epoch, "v": u.version,
+                                           "h": digest.hexdigest()}) + "\n")
             held = self.latest.get(u.fragment)
             # Epochs are random: a value of another epoch is newer by arrival.
             if held is None or held.epoch != u.epoch or u.version > held.version:
@@ -106,6 +115,8 @@ def main() -> int:
     p.add_argument("--final-file", type=Path, required=True)
     p.add_argument("--final-timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--values-log", type=Path, required=True,
+                   help="JSONL: fragment, epoch, version and SHA-1 of every value the link delivered")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the seeder's initial values; later joins load the syncer's
@@ -115,7 +126,7 @@ def main() -> int:
         learner=LearnerConfig(join_timeout=a.join_timeout, wait_timeout=a.join_timeout),
         compression=CompressionConfig(downlink=a.downlink_codec),
     )
-    link = TappedLink(a.endpoint, heartbeat_s=0.2)
+    link = TappedLink(a.endpoint, heartbeat_s=0.2, values_log=a.values_log)
     opt = RackmendOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, link, learner_id=a.id)
     seed = sum(map(ord, a.id)) * 7919 + int(time.time_ns() % 1_000_003)  # a restart trains on other batches
 

@@ -30,6 +30,8 @@ Checked while it runs (from the syncer's event log, read as it grows) and at the
   checkpoint are lost by design and counted; epochs keep their numbers from naming
   two values); the final checkpoint holds the last merged versions; every ``reject``
   and ``merge_dropped`` has a reason;
+- no (fragment, epoch, version) names two values: each learner logs a SHA-1 of every
+  value its link delivered, and all learners' logs together must hold one hash per name;
 - every learner's copy equals the syncer's after catch-up: after the faults stop and
   every learner merged again, the learners stand still, the syncer is stopped with
   SIGTERM (final checkpoint), the learners apply what they received; each learner's
@@ -47,7 +49,8 @@ Checked while it runs (from the syncer's event log, read as it grows) and at the
 Reported: faults injected and survived by kind (survived: the target learner, or for
 the syncer every live learner, merged again afterwards; recovery time = from the
 fault's end to that merge), the longest gap between merges while at least one learner
-ran (``max_stall_s``), catch-up after each syncer restart (from its ``listening`` event
+ran (``max_stall_s``), the norm guard's events (right after a learner restart or
+not), catch-up after each syncer restart (from its ``listening`` event
 to the first merge holding each learner that no fault touched meanwhile). Writes
 ``benchmarks/results/chaos.json``; the working folder (logs, checkpoint, learners'
 outputs) is kept and printed. The last line: ``RESULT faults=... survived=...
@@ -90,13 +93,16 @@ most, and on a machine shared with other jobs a process is sometimes not schedul
 a few hundred ms (a checkpoint's fsync runs inside the loop too)."""
 HEARTBEAT_TIMEOUT = 10.0
 CHECKPOINT_EVERY = 10
+GUARD_AFTER_START_S = 30.0
+"""A norm-guard event this soon after its learner's process started counts as "after a
+restart" (fresh AdamW state), reported apart from any other."""
 FD_SLACK = 2
 """Open fds a process may hold above its count before the faults, once the same
 learners are connected again (a socket of a connection being torn down)."""
 START_TIMEOUT = 60.0
 """Bound on a process start (python + torch import on a busy machine)."""
 KINDS = ("learner_kill", "learner_stop", "syncer_kill", "link_drop", "link_stall", "bandwidth_drop")
-WEIGHTS = (3, 3, 2, 2, 2, 2)
+WEIGHTS = (3, 3, 3, 2, 2, 2)
 RATES = (16e3, 64e3, 256e3)
 """bandwidth_drop caps (bit/s): a fragment of the model (4 kB) takes 2 s, 0.5 s, 0.13 s."""
 
@@ -130,7 +136,7 @@ def draw_schedule(rng: random.Random, phase_s: float) -> list[Fault]:
     while t < phase_s - 4.0:
         kind = rng.choices(KINDS, WEIGHTS)[0]
         if kind == "syncer_kill":
-            key, target, dur, cool = "syncer", "syncer", rng.uniform(0.3, 2.0), 12.0
+            key, target, dur, cool = "syncer", "syncer", rng.uniform(0.3, 2.0), 10.0
         else:
             prefix = "learner" if kind.startswith("learner") else "link"
             free = [i for i in IDS if busy.get(f"{prefix}:{i}", 0.0) <= t]
@@ -279,6 +285,7 @@ class Checker:
         self.counts: dict[str, int] = {}
         self.max_wait = 0.0
         self.epochs: set[int] = set()
+        self.guards: list[tuple[float, str]] = []
 
     def feed(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event", "?")
@@ -295,6 +302,8 @@ class Checker:
                 self.violate("checkpoint_versions", f"checkpoint at t={ev['t']:.2f} names versions "
                              f"{ev['versions']}, the log merged {cur.last} (epoch {cur.epoch})")
             self.last_checkpoint = list(ev["versions"])
+        elif kind == "guard":
+            self.guards.append((float(ev["t"]), str(ev.get("learner"))))
         elif kind in ("reject", "merge_dropped"):
             reason = str(ev.get("reason") or "").strip()
             if not reason:
@@ -493,7 +502,8 @@ class Chaos:
                "--id", lid, "--H", str(H), "--P", str(P), "--tau", str(TAU),
                "--downlink-codec", self.args.downlink_codec, "--step-sleep", str(self.args.step_sleep),
                "--status", str(self.dir / f"{lid}.status"), "--stop-file", str(self.dir / "STOP"),
-               "--final-file", str(self.dir / "FINAL"), "--out", str(self.dir / f"{lid}.final.safetensors")]
+               "--final-file", str(self.dir / "FINAL"), "--out", str(self.dir / f"{lid}.final.safetensors"),
+               "--values-log", str(self.dir / f"{lid}.values.jsonl")]
         self.learners[lid] = self.start(f"{lid}.{n}", cmd)
         self._up(lid)
 
@@ -747,8 +757,46 @@ class Chaos:
                     if not touched(lid, t_r - 1.0, nxt) and nxt - t_r > 30:
                         self._violate("not_caught_up", f"{lid} never merged in the {nxt - t_r:.0f}s after the "
                                       f"syncer resumed at t={t_r - self.t_faults:.1f}s")
+        outages = [round(f.end - f.start, 3) for f in self.faults if f.kind == "syncer_kill" and not f.skipped]
         return {"max_stall_s": round(stall, 3), "stall_window": [round(s_a - t_lo, 2), round(s_b - t_lo, 2)],
-                "stall_during": during, "catchup_s": catchups}
+                "stall_during": during, "catchup_s": catchups, "syncer_outage_s": outages}
+
+    def values_verdict(self) -> dict[str, int]:
+        """No (fragment, epoch, version) was delivered to two learners (or to one learner
+        twice) with different contents."""
+        seen: dict[tuple[int, int, int], dict[str, set[str]]] = {}
+        for lid in IDS:
+            path = self.dir / f"{lid}.values.jsonl"
+            if not path.exists():
+                continue
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the last line of a learner killed mid-write
+                seen.setdefault((r["f"], r["e"], r["v"]), {}).setdefault(r["h"], set()).add(lid)
+        for (f, e, v), hashes in sorted(seen.items()):
+            if len(hashes) > 1:
+                self._violate("version_names_two_values", f"fragment {f} epoch {e} version {v} was delivered "
+                              f"with {len(hashes)} different values: {[sorted(w) for w in hashes.values()]}")
+        shared = sum(1 for h in seen.values() if len({lid for w in h.values() for lid in w}) > 1)
+        return {"names": len(seen), "seen_by_several": shared}
+
+    def guard_figures(self) -> dict[str, int]:
+        """The norm guard's events: right after a learner process started (a fresh inner
+        optimizer takes large first steps, docs/reliability.md) or otherwise."""
+        starts: dict[str, list[float]] = {}
+        for proc in self.procs:
+            lid = proc.name.split(".")[0]
+            if lid in IDS:
+                starts.setdefault(lid, []).append(proc.started)
+        after, other = 0, 0
+        for t, lid in self.checker.guards:
+            if any(0 <= t - s <= GUARD_AFTER_START_S for s in starts.get(lid, [])):
+                after += 1
+            else:
+                other += 1
+        return {"guard_after_restart": after, "guard_other": other}
 
     def fd_verdict(self) -> None:
         for name, before in self.fd_before.items():
@@ -819,6 +867,8 @@ def main() -> int:
         chaos.checker.feed(ev)
     copies = chaos.compare_learners() if aborted is None else {}
     figures = chaos.stall_and_recovery() if aborted is None else {"max_stall_s": float("nan"), "catchup_s": []}
+    values = chaos.values_verdict()
+    guards = chaos.guard_figures()
     chaos.fd_verdict()
     chaos.process_verdict()
     own_fds = len(os.listdir("/proc/self/fd"))
@@ -851,8 +901,11 @@ def main() -> int:
           f"(bound {GRACE_MAX + WAIT_SLACK_S:.1f})")
     print(f"max stall {figures['max_stall_s']:.2f}s (window {figures.get('stall_window')}, during "
           f"{figures.get('stall_during')})")
-    print(f"catch-up after syncer restarts (s): {catchups}")
+    print(f"syncer outages, SIGKILL to listening again (s): {figures.get('syncer_outage_s')}; catch-up after "
+          f"each restart, listening to a merge with every live learner (s): {catchups}")
     print(f"rejected contributions by reason: {c.rejects}")
+    print(f"values delivered: {values['names']} (fragment, epoch, version) names, {values['seen_by_several']} "
+          f"seen by several learners; norm guard: {guards}")
     print(f"fds before/after the faults: {chaos.fd_before} / {chaos.fd_after}; ranges {fd_ranges}")
     print(f"learners' copies vs the final checkpoint: {copies.get('learners')}")
     print(f"torn log lines {chaos.log.torn}; events {dict(sorted(c.counts.items()))}")
@@ -879,7 +932,7 @@ def main() -> int:
         "table": rows,
         "merges": len(c.merges), "epochs": len(c.incarnations), "lost_merges": c.lost_merges,
         "unlogged_checkpoints": c.unlogged_checkpoints, "max_wait_s": c.max_wait, "rejects": c.rejects,
-        "events": c.counts, "torn_log_lines": chaos.log.torn, **figures,
+        "events": c.counts, "torn_log_lines": chaos.log.torn, **figures, "values": values, **guards,
         "fd_before": chaos.fd_before, "fd_after": chaos.fd_after, "fd_ranges": fd_ranges,
         "copies": copies, "violations": chaos.violations, "aborted": aborted, "workdir": str(workdir),
     }
