@@ -49,8 +49,8 @@ Checked while it runs (from the syncer's event log, read as it grows) and at the
 Reported: faults injected and survived by kind (survived: the target learner, or for
 the syncer every live learner, merged again afterwards; recovery time = from the
 fault's end to that merge), the longest gap between merges while at least one learner
-ran (``max_stall_s``), the norm guard's events (right after a learner restart or
-not), catch-up after each syncer restart (from its ``listening`` event
+ran (``max_stall_s``), the norm guard's events (right after a learner restart, right
+after an outage, or otherwise), catch-up after each syncer restart (from its ``listening`` event
 to the first merge holding each learner that no fault touched meanwhile). Writes
 ``benchmarks/results/chaos.json``; the working folder (logs, checkpoint, learners'
 outputs) is kept and printed. The last line: ``RESULT faults=... survived=...
@@ -96,6 +96,9 @@ CHECKPOINT_EVERY = 10
 GUARD_AFTER_START_S = 30.0
 """A norm-guard event this soon after its learner's process started counts as "after a
 restart" (fresh AdamW state), reported apart from any other."""
+GUARD_AFTER_OUTAGE_S = 15.0
+"""... and this soon after a fault on its learner, its link or the syncer ended, as
+"after an outage" (its first send then holds all the steps made meanwhile)."""
 FD_SLACK = 2
 """Open fds a process may hold above its count before the faults, once the same
 learners are connected again (a socket of a connection being torn down)."""
@@ -790,13 +793,16 @@ class Chaos:
             lid = proc.name.split(".")[0]
             if lid in IDS:
                 starts.setdefault(lid, []).append(proc.started)
-        after, other = 0, 0
+        after, outage, other = 0, 0, 0
         for t, lid in self.checker.guards:
             if any(0 <= t - s <= GUARD_AFTER_START_S for s in starts.get(lid, [])):
                 after += 1
+            elif any(f.target in (lid, "syncer") and not f.skipped and 0 <= t - f.end <= GUARD_AFTER_OUTAGE_S
+                     for f in self.faults):
+                outage += 1  # the first send after an outage holds every step made during it
             else:
                 other += 1
-        return {"guard_after_restart": after, "guard_other": other}
+        return {"guard_after_restart": after, "guard_after_outage": outage, "guard_other": other}
 
     def fd_verdict(self) -> None:
         for name, before in self.fd_before.items():
