@@ -363,6 +363,54 @@ def test_blackhole_outage_stalls_then_delivers_everything(echo: tuple[str, int])
     assert stats["dropped_connections"] == 0 and stats["refused_connections"] == 0
 
 
+def test_throttle_outage_caps_the_rate_then_restores_it(echo: tuple[str, int]) -> None:
+    fast, slow = 16e6, 4e6
+    start, duration = 1.4, 1.4
+    cfg = LinkConfig(bandwidth_bps=fast, outages=(Outage(start=start, duration=duration, mode="throttle",
+                                                          rate_bps=slow),))
+    arrivals: list[tuple[float, int]] = []
+    stop = threading.Event()
+    with LinkEmulator(echo, cfg).start() as link:
+        t0 = link.started_at
+        sock = _connect(link, timeout=15)
+
+        def send() -> None:
+            block = b"z" * 16384
+            try:
+                while not stop.is_set():
+                    sock.sendall(block)
+            except OSError:
+                pass
+
+        def receive() -> None:
+            got = 0
+            try:
+                while data := sock.recv(65536):
+                    got += len(data)
+                    arrivals.append((time.monotonic(), got))
+            except OSError:
+                pass
+
+        sender, receiver = _thread(send), _thread(receive)
+        _sleep_until(t0 + start + duration + 1.3)
+        stop.set()
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        stats = link.stats()
+    _join(sender)
+    _join(receiver)
+    end = t0 + start + duration
+    before = _rate_between(arrivals, t0 + 0.4, t0 + start)
+    during = _rate_between(arrivals, t0 + start + 0.3, end)
+    after = _rate_between(arrivals, end + 0.3, end + 1.2)
+    print(f"throttle {fast / 1e6:g} -> {slow / 1e6:g} -> {fast / 1e6:g} Mbit/s; measured "
+          f"{before / 1e6:.3f} -> {during / 1e6:.3f} -> {after / 1e6:.3f}")
+    assert abs(before / fast - 1) <= RATE_TOLERANCE, f"before: {before / 1e6:.3f} Mbit/s vs {fast / 1e6}"
+    assert abs(during / slow - 1) <= RATE_TOLERANCE, f"during: {during / 1e6:.3f} Mbit/s vs {slow / 1e6}"
+    assert abs(after / fast - 1) <= RATE_TOLERANCE, f"after: {after / 1e6:.3f} Mbit/s vs {fast / 1e6}"
+    assert stats["dropped_connections"] == 0 and stats["connections"] == 1
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -378,7 +426,10 @@ def test_blackhole_outage_stalls_then_delivers_everything(echo: tuple[str, int])
         (lambda: LinkConfig(seed="x"), ["seed"]),  # type: ignore[arg-type]
         (lambda: Outage(start=-1, duration=1), ["Outage.start", ">= 0"]),
         (lambda: Outage(start=0, duration=0), ["Outage.duration", "> 0"]),
-        (lambda: Outage(start=0, duration=1, mode="stall"), ["Outage.mode", "drop", "blackhole"]),
+        (lambda: Outage(start=0, duration=1, mode="stall"), ["Outage.mode", "drop", "blackhole", "throttle"]),
+        (lambda: Outage(start=0, duration=1, mode="throttle"), ["Outage.rate_bps", "throttle=200kbit"]),
+        (lambda: Outage(start=0, duration=1, rate_bps=1e6), ["Outage.rate_bps", "mode='throttle'"]),
+        (lambda: Outage.parse("1:1:throttle"), ["throttle=200kbit"]),
         (lambda: Outage.parse("30"), ["START:DURATION"]),
         (lambda: parse_rate("50Mbps"), ["ambiguous", "50Mbit", "50MB/s"]),
         (lambda: parse_rate("10MB"), ["/s"]),
@@ -407,6 +458,7 @@ def test_parsers() -> None:
     assert parse_size("64KiB") == 65536 and parse_size("1MB") == 1_000_000
     assert Outage.parse("30:10:drop") == Outage(start=30, duration=10, mode="drop")
     assert Outage.parse("1m:500ms:blackhole") == Outage(start=60, duration=0.5, mode="blackhole")
+    assert Outage.parse("40:8:throttle=200kbit") == Outage(start=40, duration=8, mode="throttle", rate_bps=200e3)
     assert LinkConfig(outages=[Outage(start=1, duration=1)]).outages == (Outage(start=1, duration=1),)  # type: ignore[arg-type]
     assert LinkConfig.parse_rate is parse_rate or LinkConfig.parse_rate("1kbit") == 1000
 

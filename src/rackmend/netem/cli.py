@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a scheduled outage, START and DURATION after the link starts (seconds or e.g. 30s, 500ms, 2m); "
         "MODE 'drop' (default) resets every connection and resets new ones until it ends, "
         "'blackhole' keeps connections open but moves nothing until it ends, then delivers "
-        "everything held. Repeat the flag for several outages",
+        "everything held, 'throttle=RATE' (e.g. throttle=200kbit) caps the bandwidth at RATE "
+        "until it ends. Repeat the flag for several outages",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter (default 0)")
     parser.add_argument("--name", default="link", help="name used in the stats lines (default 'link')")

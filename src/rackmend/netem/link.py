@@ -30,8 +30,12 @@ Outages, scheduled relative to :meth:`LinkEmulator.start`:
   longer than the peers' TCP retransmission limit, minutes, would break connections on
   a real path; here it never does.) At the end of a blackhole the bytes that were in
   flight (at most about ``latency`` times the bandwidth) are released at once.
+- ``throttle``: connections stay open and bytes keep moving, but at most at the
+  outage's ``rate_bps`` (the lower of it and the link's own cap): a shared path that
+  congests for a while. The link's own cap is back in force when it ends.
 
-Overlapping outages combine: ``drop`` wins over ``blackhole`` while both are active.
+Overlapping outages combine: ``drop`` wins over ``blackhole`` while both are active,
+and the lowest rate of the active throttles applies.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ __all__ = [
     "parse_size",
 ]
 
-OUTAGE_MODES = ("drop", "blackhole")
+OUTAGE_MODES = ("drop", "blackhole", "throttle")
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +200,12 @@ class Outage:
     mode: str = "drop"
     """``drop``: reset every connection and reset new ones for the duration.
     ``blackhole``: keep connections open but move no byte either way for the
-    duration; held bytes are delivered afterwards, in order (a stall)."""
+    duration; held bytes are delivered afterwards, in order (a stall).
+    ``throttle``: cap each direction at ``rate_bps`` for the duration."""
+
+    rate_bps: float | None = None
+    """The cap of a ``throttle`` outage in bits per second (required for it, and only
+    for it); the link's own ``bandwidth_bps``, if lower, still applies."""
 
     def __post_init__(self) -> None:
         _check(
@@ -212,6 +221,18 @@ class Outage:
             self.mode in OUTAGE_MODES,
             f"Outage.mode={self.mode!r} is not known; use one of {', '.join(OUTAGE_MODES)}",
         )
+        if self.mode == "throttle":
+            _check(
+                _finite_number(self.rate_bps) and self.rate_bps is not None and self.rate_bps > 0,
+                f"Outage.rate_bps must be a positive number of bits/s for a throttle, got {self.rate_bps!r}; "
+                "write e.g. '30:10:throttle=200kbit'",
+            )
+        else:
+            _check(
+                self.rate_bps is None,
+                f"Outage.rate_bps={self.rate_bps!r} is only for mode='throttle' (mode is {self.mode!r}); "
+                "leave it out, or use mode='throttle' to slow the link down",
+            )
 
     @property
     def end(self) -> float:
@@ -220,14 +241,22 @@ class Outage:
 
     @classmethod
     def parse(cls, text: str) -> Outage:
-        """``START:DURATION[:MODE]``, e.g. ``'30:10:drop'``, ``'1m:500ms:blackhole'``."""
+        """``START:DURATION[:MODE]``, e.g. ``'30:10:drop'``, ``'1m:500ms:blackhole'``,
+        ``'40:8:throttle=200kbit'`` (see :func:`parse_rate` for the rate)."""
         parts = text.split(":")
         if len(parts) not in (2, 3):
             raise ConfigError(
-                f"outage {text!r} is not START:DURATION[:MODE]; write e.g. '30:10:drop' or '5s:2s:blackhole'"
+                f"outage {text!r} is not START:DURATION[:MODE]; write e.g. '30:10:drop', '5s:2s:blackhole' "
+                "or '40:8:throttle=200kbit'"
             )
         mode = parts[2] if len(parts) == 3 else "drop"
-        return cls(start=parse_duration(parts[0]), duration=parse_duration(parts[1]), mode=mode)
+        rate = None
+        if mode.startswith("throttle"):
+            name, eq, value = mode.partition("=")
+            if name != "throttle" or not eq:
+                raise ConfigError(f"outage {text!r}: a throttle needs its rate, e.g. 'throttle=200kbit'")
+            mode, rate = name, parse_rate(value)
+        return cls(start=parse_duration(parts[0]), duration=parse_duration(parts[1]), mode=mode, rate_bps=rate)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -424,6 +453,8 @@ class LinkEmulator:
         self._buckets: dict[str, _TokenBucket] = {}
         self._flowing: asyncio.Event | None = None
         self._dropping = False
+        self._rate_in_force: float | None = None
+        """The cap the token buckets use now: the config's, or an active throttle's."""
         self._conns: dict[int, _Conn] = {}
         self._next_cid = 0
         self._timers: list[asyncio.TimerHandle] = []
@@ -583,6 +614,7 @@ class LinkEmulator:
         now = loop.time()
         cfg = self._config
         self._buckets = {d: _TokenBucket(cfg.bandwidth_bps, cfg.burst_bytes, now) for d in ("up", "down")}
+        self._rate_in_force = cfg.bandwidth_bps
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._server = await asyncio.start_server(self._on_client, self.listen[0], self.listen[1])
@@ -596,6 +628,7 @@ class LinkEmulator:
         now = asyncio.get_running_loop().time()
         for bucket in self._buckets.values():
             bucket.configure(config.bandwidth_bps, config.burst_bytes, now)
+        self._rate_in_force = config.bandwidth_bps
         self._config = config
         self._schedule_outages()
 
@@ -654,6 +687,14 @@ class LinkEmulator:
         active = [o for o in self._config.outages if o.start <= at < o.end]
         dropping = any(o.mode == "drop" for o in active)
         stalled = not dropping and any(o.mode == "blackhole" for o in active)
+        caps = [o.rate_bps for o in active if o.mode == "throttle" and o.rate_bps is not None]
+        base = self._config.bandwidth_bps
+        rate = min(caps + ([base] if base is not None else [])) if caps else base
+        if rate != self._rate_in_force:
+            now = asyncio.get_running_loop().time()
+            for bucket in self._buckets.values():
+                bucket.configure(rate, self._config.burst_bytes, now)
+            self._rate_in_force = rate
         assert self._flowing is not None
         if stalled:
             self._flowing.clear()
