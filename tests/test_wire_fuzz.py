@@ -35,7 +35,7 @@ CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, o
 class Rig:
     def __init__(self) -> None:
         self.svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", max_message_bytes=MAX_BYTES,
-                                                       heartbeat_timeout=30))
+                                                       heartbeat_timeout=30, log_burst=10**9))
         self.records: list[dict] = []
         record = self.svc._record
         self.svc._record = lambda r: (self.records.append(r), record(r))  # type: ignore[method-assign]

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_EPOCH",
     "MAX_HEADER_BYTES",
     "WireError",
+    "valid_learner_id",
     "Message",
     "encode",
     "decode_header",
@@ -75,6 +76,11 @@ MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
 SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack")
+
+
+def valid_learner_id(lid: str) -> bool:
+    """Whether ``lid`` is a learner id the wire accepts (the whole string is matched)."""
+    return bool(_LEARNER_ID.fullmatch(lid))
 
 
 class WireError(ValueError):
