@@ -125,6 +125,7 @@ class Fuzzer:
             sock.connect(endpoint)
             self.peers.append(Peer(sock, lid))
         self.seq = itertools.count(1)
+        self.session = 77
         self.sent_valid: list[list[bytes]] = []
         self.stats: dict[str, int] = {"sent": 0, "hangs": 0, "bad_accepted": 0, "must_refuse": 0, "accepted": 0,
                                       "refused": 0, "silent": 0}
@@ -182,7 +183,7 @@ class Fuzzer:
         p = self.rng.randrange(P)
         tensors = self._tensors(p)
         header = {"type": "contrib", "learner": lid, "rank": 0, "fragment": p, "base_version": peer.versions[p],
-                  "step": 4 * next(self.seq), "c_steps": 4, "c_tokens": 128.0, "step_time": 0.01, "session": 77,
+                  "step": 4 * next(self.seq), "c_steps": 4, "c_tokens": 128.0, "step_time": 0.01, "session": self.session,
                   "seq": next(self.seq), "base_epoch": peer.epoch, "codec": 0, "tensors": wire._tensor_meta(tensors)}
         return header, tensors
 
@@ -304,6 +305,11 @@ class Fuzzer:
                 self.accepted_examples.append(f"{mutation} {kind} {frames[0][:200]!r}")
         if mutation == "valid" and kind == "contrib" and accepted:
             self.sent_valid.append(frames)
+        if mutation == "valid" and any("replay" in h.get("reason", "") for h in errors):
+            # A bit flip raised the session's seq, or made a new session, and was merged (a
+            # valid message: as a restarted learner's would be): the valid sends after it read
+            # as replays. A new session, as a restarted link would draw.
+            self.session = self.rng.randrange(1, 2**62)
         if peer.lid is not None and any(h.get("code") == "rejoin" and "send hello first" in h.get("reason", "")
                                         for h in errors):
             self.join(peer)  # a valid leave or a heartbeat gap made mallory a stranger: back in

@@ -69,6 +69,8 @@ def test_message_limits_before_and_after_join(procs: Procs, tmp_path: Path) -> N
         member.send([*member.contribution(), b"\0" * (limit + 1)])
         errors = member.errors(10.0)
         assert errors and f"exceeds the limit of {limit}" in errors[0]["reason"], errors
+        (named,) = [e for e in events(tmp_path) if e["event"] == "message_limit"]
+        assert named["bytes"] == limit  # what to pass as --max-message-mb for ZeroMQ's own cap
         member.send(member.contribution())  # an ordinary one still merges
         end = time.monotonic() + 20
         while not any(e["event"] == "merge" and "l0" in e["merged"] for e in events(tmp_path)):

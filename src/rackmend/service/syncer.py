@@ -11,6 +11,7 @@ check or stop request, feed what arrived to the core, carry out its actions.
 from __future__ import annotations
 
 import ipaddress
+import math
 import json
 import dataclasses
 import logging
@@ -595,6 +596,11 @@ class SyncerService:
                                         overlap=config.schedule.overlap),
                 learner=dataclasses.replace(config.learner, apply=settings.apply))
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        if self.service.max_message_bytes is None:
+            limit = layout_message_limit(layout)
+            # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
+            self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
+                        zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
     def _drive(self, event: Event) -> None:
         assert self.core is not None
