@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -221,23 +222,27 @@ def _link(endpoint: str) -> ZmqLink:
     return ZmqLink(endpoint, rank=0, world_size=1, heartbeat_s=0.2, leave_timeout_s=0.5)
 
 
-def _join_in_thread(link: ZmqLink, frags: list) -> None:
-    import threading
-
+def _join_in_thread(link: ZmqLink, frags: list) -> threading.Thread:
+    """The link's join, on a thread (it returns once the fake syncer has welcomed it)."""
     initial = [[torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors] for spec in frags]
-    threading.Thread(target=lambda: link.join("l0", frags, initial, 30.0,
-                                              settings=LearnerSettings.from_config(CONFIG)), daemon=True).start()
+    th = threading.Thread(target=lambda: link.join("l0", frags, initial, 30.0,
+                                                   settings=LearnerSettings.from_config(CONFIG)), daemon=True)
+    th.start()
+    return th
 
 
 def test_a_rejoin_during_the_hello_back_off_is_answered_when_it_ends() -> None:
     fake = FakeSyncer()
     link = _link(fake.endpoint)
     try:
-        _join_in_thread(link, fake.frags)
+        joining = _join_in_thread(link, fake.frags)
         ident, _ = fake.expect("hello", 10.0)
         # At once, so within the link's back-off: a syncer that lost the hello asks again.
         fake.send(ident, wire.encode({"type": "error", "code": "rejoin", "reason": "send hello first"}))
-        fake.expect("hello", 10.0)  # the old link ignored it and never said hello again
+        ident, _ = fake.expect("hello", 10.0)  # the old link ignored it and never said hello again
+        fake.welcome(ident)
+        joining.join(10.0)
+        assert not joining.is_alive()
     finally:
         link.leave()
         fake.close()
@@ -247,9 +252,10 @@ def test_heartbeats_go_on_while_a_contribution_waits_for_its_receipt() -> None:
     fake = FakeSyncer()
     link = _link(fake.endpoint)
     try:
-        _join_in_thread(link, fake.frags)
+        joining = _join_in_thread(link, fake.frags)
         ident, _ = fake.expect("hello", 10.0)
         fake.welcome(ident)
+        joining.join(10.0)
         tensors = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in fake.frags[0].tensors)
         for step in (4, 8):  # the first goes out and is never acknowledged; the second waits behind it
             link.send(Contribution("l0", 0, 0, step, 4, 16.0, 0.01, tensors))
