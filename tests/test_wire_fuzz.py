@@ -35,7 +35,7 @@ CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, o
 class Rig:
     def __init__(self) -> None:
         self.svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", max_message_bytes=MAX_BYTES,
-                                                       heartbeat_timeout=30))
+                                                       heartbeat_timeout=30, log_burst=10**9))
         self.records: list[dict] = []
         record = self.svc._record
         self.svc._record = lambda r: (self.records.append(r), record(r))  # type: ignore[method-assign]
@@ -348,3 +348,18 @@ def test_healthy_rounds_kept_completing_during_the_fuzz(rig: Rig) -> None:
     assert any("l0" in m["merged"] for m in merges[-5:])
     print(f"fuzz cases run: {N_CASES}, rejections logged: "
           f"{sum(1 for r in rig.records if r['event'] in ('bad_message', 'reject', 'unknown_peer'))}")
+
+
+def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A few thousand messages of benchmarks/fuzz.py (every mutation class, attributed
+    reply by reply) against a ``rackmend syncer`` process while a learner process trains."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import fuzz
+
+    r = fuzz.run(3000, seed=1, warmup_s=2.0, workdir=tmp_path)
+    assert (r["crashes"], r["hangs"], r["bad_accepted"], r["corruption"]) == (0, 0, 0, 0), r
+    assert r["messages"] == 3000 and r["must_refuse"] > 2000 and set(r["by_mutation"]) >= {"spoof", "replay"}
+    assert r["merge_rate_during"] > 0, "the healthy learner stopped merging during the fuzz"

@@ -83,8 +83,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoint_every", int, 50, "checkpoint every N merges (and on SIGTERM/SIGINT)", "service"),
     Option("resume", _bool, False, "continue from the checkpoint in --checkpoint-dir", "service"),
     Option("heartbeat_timeout", float, 10.0, "seconds of silence before a learner rank counts as gone", "service"),
-    Option("max_message_mb", float, 2048.0, "largest message accepted, in MiB", "service"),
+    Option("max_message_mb", float, None, "largest message accepted, in MiB (default: the model's largest "
+           "fragment plus the header bound, once known; a fresh start keeps ZeroMQ's pre-read cap at 2 GiB, so pass "
+           "it for a tight bound)", "service"),
+    Option("takeover_after", float, 5.0, "seconds a learner rank must be silent before a hello for it from another "
+           "connection takes its place (sooner: refused and logged as identity_refused)", "service"),
     Option("log", str, None, "JSONL event log (merges, joins, rejections)", "service"),
+    Option("log_burst", int, 5, "per connection and kind of bad input, the most log records per 10 s; the rest are "
+           "counted in one 'suppressed' record", "service"),
     Option("init_timeout", float, 60.0, "seconds the first learner may take per initial fragment before "
            "another waiting learner is asked to seed the model", "service"),
     Option("ready_file", str, None, "write the bound endpoint here once listening (for scripts)", "run"),
@@ -204,8 +210,9 @@ def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
         bind=values["bind"], insecure=values["insecure"], secret_key_file=values["secret_key"],
         allowed_keys_dir=values["allowed_keys"], checkpoint_dir=values["checkpoint_dir"],
         checkpoint_every=values["checkpoint_every"], resume=values["resume"],
-        heartbeat_timeout=values["heartbeat_timeout"], max_message_bytes=int(values["max_message_mb"] * 2**20),
-        log_path=values["log"], init_timeout=values["init_timeout"],
+        heartbeat_timeout=values["heartbeat_timeout"], takeover_after=values["takeover_after"],
+        max_message_bytes=None if values["max_message_mb"] is None else int(values["max_message_mb"] * 2**20),
+        log_path=values["log"], init_timeout=values["init_timeout"], log_burst=values["log_burst"],
     )
     return config, service
 
@@ -233,13 +240,29 @@ def syncer_main(args: argparse.Namespace) -> int:
 def add_keygen_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=Path, help="where to write NAME.key (public) and NAME.key_secret")
     p.add_argument("name", help="key name, e.g. syncer or the learner id")
+    p.add_argument("--learners", default=None, metavar="IDS",
+                   help="learner ids this key may use, comma-separated ('*': any), written into the public key "
+                        "file; default: the key name is the one id it may use")
 
 
 def keygen_main(args: argparse.Namespace) -> int:
     import zmq.auth
 
     args.directory.mkdir(parents=True, exist_ok=True)
+    if args.learners is not None:
+        from rackmend.transport.wire import valid_learner_id
+
+        bad = [x for x in args.learners.split(",") if x.strip(" ") != "*" and not valid_learner_id(x.strip(" "))]
+        if bad or not args.learners.strip():
+            print(f"rackmend keygen: --learners {args.learners!r}: give learner ids (1-128 characters of A-Z a-z "
+                  "0-9 . _ : @ -) separated by commas, or '*' for any", file=sys.stderr)
+            return 2
     public, secret = zmq.auth.create_certificates(str(args.directory), args.name)
+    if args.learners is not None:
+        # pyzmq writes metadata into the secret file only; the syncer reads the public one.
+        text = Path(public).read_text(encoding="utf-8")
+        Path(public).write_text(text.replace("metadata\n", f'metadata\n    learners = "{args.learners}"\n', 1),
+                                encoding="utf-8")
     os.chmod(secret, 0o600)
     print(f"public key: {public}\nsecret key: {secret} (keep it private; mode 600)")
     return 0

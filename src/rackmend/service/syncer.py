@@ -16,6 +16,7 @@ member of a round.
 from __future__ import annotations
 
 import ipaddress
+import math
 import json
 import dataclasses
 import logging
@@ -48,12 +49,31 @@ from rackmend.core.syncer import (
     WARNING_EVENTS,
 )
 from rackmend.service.checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
+from rackmend.service.identity import EventLimiter, load_key_ids
 from rackmend.transport import wire
 from rackmend.transport.outbox import SHORT_HWM, Outbox
 
 __all__ = ["ServiceConfig", "SyncerService"]
 
 log = logging.getLogger("rackmend.syncer")
+
+STRANGER_MAX_BYTES = wire.MAX_HEADER_BYTES + (64 << 10)
+"""Largest message taken from a connection that has not joined (a hello is one header
+frame): junk from strangers never needs more memory than this past ZeroMQ."""
+AUTO_ZMQ_CAP = 1 << 31
+"""ZeroMQ's pre-read cap (fixed when the socket binds) when neither the operator nor a
+checkpoint gives the model's size: the layout arrives later, with the first hello."""
+MAX_QUEUED_REPLIES = 16
+"""Error and receipt replies held per connection that reads none of them; more are
+dropped (counted as ``replies_dropped``): a peer that never reads costs bounded memory."""
+LOG_WINDOW_S = 10.0
+"""The window of ``ServiceConfig.log_burst``, seconds."""
+
+
+def layout_message_limit(fragments: list[FragmentSpec]) -> int:
+    """The largest message a joined learner sends for this layout: its largest fragment
+    uncompressed (an ``init`` or a ``contrib``) plus the largest header allowed."""
+    return max((f.nbytes for f in fragments), default=0) + wire.MAX_HEADER_BYTES
 
 
 @dataclass(kw_only=True)
@@ -88,9 +108,21 @@ class ServiceConfig:
     rounds stop waiting for it. Learners send heartbeats every second by default;
     set this to several heartbeat periods so a busy learner is not dropped."""
 
-    max_message_bytes: int = 1 << 31
+    max_message_bytes: int | None = None
     """Messages larger than this are rejected (logged, answered); beyond twice this
-    ZeroMQ drops the sender's connection before reading the message into memory."""
+    ZeroMQ drops the sender's connection before reading the message into memory.
+    None: follow the model, its largest fragment plus the header bound (with
+    ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap stays at
+    2 GiB, since the model is not known when the socket binds, and the ``message_limit``
+    event names the value to pass). Connections that have not joined are held to
+    ``STRANGER_MAX_BYTES`` (or this, if smaller) either way."""
+
+    takeover_after: float = 5.0
+    """Seconds a learner rank must have been silent before a hello for its id and rank
+    from another connection takes its place. Sooner, the hello is refused (logged as
+    ``identity_refused``; the learner's link retries): a stranger cannot evict or
+    impersonate a live learner. A restarted learner process waits this long at most;
+    keep it above a few heartbeat periods of the learners (1 s by default)."""
 
     log_path: str | None = None
     """JSONL file of every event (merges, joins, rejections); None: not written."""
@@ -102,12 +134,26 @@ class ServiceConfig:
     ``init_request``); without one, the next learner to join is asked. Raise it when a
     single fragment of the model takes longer than this to upload."""
 
+    log_burst: int = 5
+    """Per connection (per learner for rejected contributions) and kind of bad input,
+    the most log records per 10 s; the rest are counted in one ``suppressed`` record per
+    window, so a junk flood cannot fill the disk. Raise it to see every rejection of
+    one misbehaving learner."""
+
     def validate(self) -> None:
+        if self.log_burst < 1:
+            raise ConfigError(f"log_burst must be >= 1 records per window, got {self.log_burst}")
         if not self.init_timeout > 0:
             raise ConfigError(f"init_timeout must be > 0 seconds, got {self.init_timeout}; the default is 60 "
                               "(--init-timeout)")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1 merges, got {self.checkpoint_every}")
+        if self.max_message_bytes is not None and self.max_message_bytes <= 0:
+            raise ConfigError(f"max_message_bytes must be > 0 (or None: follow the model), got "
+                              f"{self.max_message_bytes}; --max-message-mb takes MiB")
+        if not self.takeover_after > 0:
+            raise ConfigError(f"takeover_after must be > 0 seconds, got {self.takeover_after}; the default is 5 "
+                              "(--takeover-after)")
         if self.heartbeat_timeout <= 0:
             raise ConfigError(f"heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout}")
         if self.resume and not self.checkpoint_dir:
@@ -235,6 +281,13 @@ class SyncerService:
         self._stop = threading.Event()
         self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
         self._log_lock = threading.Lock()  # the authenticator's thread logs refusals too
+        self._limiter = EventLimiter(service.log_burst, LOG_WINDOW_S)
+        self.replies_dropped = 0
+        """Error and receipt replies not queued because their connection reads none."""
+        self.queued_replies_max = 0
+        """The most control messages ever waiting for one connection."""
+        self._key_ids: dict[str, frozenset[str] | None] | None = None
+        """With Curve and an allowed-keys directory: public key (Z85) -> learner ids it may use."""
         self._ctx = zmq.Context.instance()
         self._auth: Any = None
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -252,15 +305,18 @@ class SyncerService:
         another value, and (epoch, version) keeps the two apart at the learners."""
         self.superseded_updates = 0
         """Updates replaced in a peer's outbox by a newer value before its link had room."""
+        if service.resume:  # before the bind: the checkpoint's layout sizes ZeroMQ's cap
+            self._resume()
         # ZeroMQ's own cap is twice the limit: a message just over the limit still reaches
         # the validator and gets a logged, answered rejection; a far bigger one is cut off
-        # by ZeroMQ (the connection dropped) before it can use the memory.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * service.max_message_bytes)
+        # by ZeroMQ (the connection dropped) before it can use the memory. The option only
+        # applies to connections accepted after the bind, so it cannot follow the layout
+        # of a fresh run; the per-message checks in _on_message do.
+        limit = self._message_limit()
+        self.sock.setsockopt(zmq.MAXMSGSIZE, AUTO_ZMQ_CAP if limit is None else 2 * limit)
         self._setup_curve()
         self.sock.bind(service.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if service.resume:
-            self._resume()
 
     # ------------------------------------------------------------------ running
     def serve(self) -> None:
@@ -294,6 +350,7 @@ class SyncerService:
                         self._on_message(frames)
                 self._check_silence()
                 self._check_init()
+                self._summarise_suppressed(self._limiter.expired(self.clock()))
                 if self.core is not None:
                     self._drive(Tick())
                 for ident in [i for i, box in self._outboxes.items() if box]:
@@ -309,15 +366,25 @@ class SyncerService:
         ident, body = frames[0].bytes, frames[1:]
         msg: wire.Message | None = None
         try:
-            msg = wire.decode_header(body, wire.SYNCER_RECEIVES, self.service.max_message_bytes)
-            if msg.type == "status":
+            joined = ident in self.peers or (self._pending is not None and ident == self._pending.seeder)
+            limit = self._message_limit()
+            if not joined:
+                total = sum(len(f) for f in body)
+                bound = min(STRANGER_MAX_BYTES, self.service.max_message_bytes or STRANGER_MAX_BYTES)
+                if total > bound:
+                    raise wire.WireError(f"message of {total} bytes from a connection that has not joined exceeds "
+                                         f"the limit of {bound} bytes before a hello is accepted")
+            msg = wire.decode_header(body, wire.SYNCER_RECEIVES, limit or AUTO_ZMQ_CAP)
+            if msg.type == "status":  # read-only, names no learner: the Curve handshake is its check
                 self._answer_status(ident, msg)
+                return
+            if self._key_ids is not None and not self._key_allows(ident, body[0], msg):
                 return
             self._handle(ident, msg)
         except wire.WireError as exc:
             self.rejected_messages += 1
-            self._event("bad_message", peer=ident.hex(), reason=str(exc))
-            self._send(ident, wire.encode({"type": "error", "code": "bad_message", "reason": str(exc)}))
+            self._peer_event(ident, "bad_message", peer=ident.hex(), reason=str(exc))
+            self._reply_error(ident, "bad_message", str(exc))
         finally:
             stats = self._stats.get(msg.header.get("learner", "")) if msg is not None else None
             if stats is not None:  # only ids that passed a hello: a stranger cannot grow this table
@@ -329,7 +396,39 @@ class SyncerService:
         (each request is not logged: a refreshing view asks every second)."""
         nonce = wire.parse_status_request(msg)
         self.status_requests += 1
-        self._send(ident, wire.status_reply_frames(nonce, self.status()))
+        self._send(ident, wire.status_reply_frames(nonce, self.status()), droppable=True)
+
+    def _message_limit(self) -> int | None:
+        """The largest message a joined learner may send: the operator's, else the
+        layout's (None while no layout is known)."""
+        if self.service.max_message_bytes is not None:
+            return self.service.max_message_bytes
+        layout = self.core.fragments if self.core is not None else self._pending.layout if self._pending else None
+        return None if layout is None else layout_message_limit(layout)
+
+    def _key_allows(self, ident: bytes, frame: zmq.Frame, msg: wire.Message) -> bool:
+        """Whether the Curve key this message came with may speak as the learner it names
+        (refused and logged as ``auth_denied`` otherwise)."""
+        assert self._key_ids is not None
+        key = frame.get("User-Id")  # what the authenticator returned: the client's public key, Z85
+        allowed = self._key_ids.get(key, frozenset())
+        lid = msg.header["learner"]
+        if allowed is None or lid in allowed:
+            return True
+        self.rejected_messages += 1
+        reason = (f"the Curve key {key[:8]}... may speak as {sorted(allowed)} only, not as {lid!r}; give this "
+                  f"learner its own key, or list {lid!r} in the key file's 'learners' metadata "
+                  "(rackmend keygen --learners)")
+        self._peer_event(ident, "auth_denied", peer=ident.hex(), learner=lid, type=msg.type, key=key, reason=reason)
+        self._reply_error(ident, "fatal" if msg.type == "hello" else "denied", reason)
+        return False
+
+    def _holder(self, ident: bytes, lid: str, rank: int) -> tuple[bytes, _Peer] | None:
+        """The other connection that holds learner ``lid``'s rank ``rank``, if any."""
+        for other, peer in self.peers.items():
+            if other != ident and peer.learner_id == lid and peer.rank == rank:
+                return other, peer
+        return None
 
     def _handle(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header
@@ -346,9 +445,20 @@ class SyncerService:
         if peer is None and msg.type == "ack":
             return  # a receipt from a peer dropped meanwhile: its next heartbeat gets it back
         if peer is None or peer.learner_id != lid or peer.rank != rank:
+            self.rejected_messages += 1
+            holder = self._holder(ident, lid, rank)
+            if holder is not None:
+                # The id is bound to the connection that said hello for it: a contribution,
+                # heartbeat or leave naming it from anywhere else is someone else's.
+                reason = (f"learner {lid} rank {rank} is held by another connection; a {msg.type} naming it is "
+                          "accepted from that connection only")
+                self._peer_event(ident, "identity_refused", peer=ident.hex(), learner=lid, rank=rank,
+                                 type=msg.type, reason=reason)
+                self._reply_error(ident, "rejoin", reason)
+                return
             # Unknown to this syncer (it restarted, or the learner was declared silent).
-            self._event("unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
-            self._send(ident, wire.encode({"type": "error", "code": "rejoin", "reason": "send hello first"}))
+            self._peer_event(ident, "unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
+            self._reply_error(ident, "rejoin", "send hello first")
             return
         peer.last_seen = self.clock()
         if msg.type == "heartbeat":
@@ -371,7 +481,7 @@ class SyncerService:
             return
         assert msg.type == "contrib" and self.core is not None
         contribution = wire.parse_contribution(msg, self.core.fragments)
-        self._send(ident, wire.ack_frames(contribution.fragment))  # received, whatever the core decides
+        self._send(ident, wire.ack_frames(contribution.fragment), droppable=True)  # received, whatever the core decides
         stats = self._stats[lid]
         p = contribution.fragment
         stats.contributions += 1
@@ -380,8 +490,19 @@ class SyncerService:
         self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message) -> None:
+        if not self._may_take(ident, msg.header["learner"], msg.header["rank"]):
+            return  # before parsing: a storm of hellos costs a dictionary scan each
         hello = wire.parse_hello(msg)
         lid, rank, layout = hello.learner_id, hello.rank, hello.layout
+        worlds = {p.world for i, p in self.peers.items() if i != ident and p.learner_id == lid}
+        if worlds and worlds != {hello.world}:
+            self.rejected_messages += 1
+            reason = (f"learner {lid} is connected with {worlds.pop()} ranks; a hello as its rank {rank} of "
+                      f"{hello.world} does not fit (every rank of one learner declares the same world size)")
+            self._peer_event(ident, "identity_refused", peer=ident.hex(), learner=lid, rank=rank, type="hello",
+                             reason=reason)
+            self._reply_error(ident, "busy", reason)
+            return
         if not self._settings_agree(ident, hello):
             return
         now = self.clock()
@@ -396,9 +517,11 @@ class SyncerService:
             return
         if self._first is None:  # resumed from a checkpoint that predates recorded settings
             self._first = (lid, hello.settings)
-        for other, peer in list(self.peers.items()):
-            if peer.learner_id == lid and peer.rank == rank and other != ident:
-                del self.peers[other]  # the same rank came back under a new connection
+        holder = self._holder(ident, lid, rank)
+        if holder is not None:  # silent for takeover_after (checked above): the rank came back elsewhere
+            del self.peers[holder[0]]
+            self._event("takeover", learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
+                        silent_s=round(self.clock() - holder[1].last_seen, 3))
         self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock())
         stats.state = "connected"
         if ident in self._outboxes:
@@ -409,6 +532,24 @@ class SyncerService:
         for upd in self.core.current:
             if peer.owns(upd.fragment):
                 self._send_update(ident, upd, wire.update_frames(upd, reset=True), reset=True)
+
+    def _may_take(self, ident: bytes, lid: str, rank: int) -> bool:
+        """Whether a hello from ``ident`` may claim ``lid``'s rank ``rank``: nobody else
+        holds it, or its holder has been silent for ``takeover_after``."""
+        holder = self._holder(ident, lid, rank)
+        if holder is None:
+            return True
+        silent = self.clock() - holder[1].last_seen
+        if silent >= self.service.takeover_after:
+            return True
+        self.rejected_messages += 1
+        reason = (f"learner {lid} rank {rank} is live on another connection (heard {silent:.1f}s ago); a new "
+                  f"connection takes it over only after {self.service.takeover_after:g}s of silence "
+                  "(--takeover-after). Two learners with one id? Give each its own --id")
+        self._peer_event(ident, "identity_refused", peer=ident.hex(), learner=lid, rank=rank, type="hello",
+                         reason=reason)
+        self._reply_error(ident, "busy", reason)
+        return False
 
     def _settings_agree(self, ident: bytes, hello: wire.Hello) -> bool:
         """Refuse (``fatal``, logged) a learner whose settings or layout cannot work with
@@ -435,11 +576,11 @@ class SyncerService:
                 "the model this syncer trains. Start it from the same model definition and config, or start a "
                 "fresh syncer (without --resume) for a new model"))
         if mismatch is not None:
-            self._event("settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
+            self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
                         learner_value=mismatch.learner_value, syncer_value=mismatch.other_value,
                         reason=mismatch.reason)
             log.warning("refused learner %s: %s", lid, mismatch.reason)
-            self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason": mismatch.reason}))
+            self._reply_error(ident, "fatal", mismatch.reason)
             return False
         syncer_uplink = self.config.compression.uplink
         if lid not in self._uplink_noted and not same_codec(s.uplink, syncer_uplink):
@@ -522,6 +663,11 @@ class SyncerService:
                                         overlap=config.schedule.overlap),
                 learner=dataclasses.replace(config.learner, apply=settings.apply))
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        if self.service.max_message_bytes is None:
+            limit = layout_message_limit(layout)
+            # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
+            self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
+                        zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
     def _drive(self, event: Event) -> None:
         assert self.core is not None
@@ -535,13 +681,16 @@ class SyncerService:
                         frames = frames or wire.update_frames(action.update, reset=action.reset)
                         self._send_update(ident, action.update, frames, reset=action.reset)
             elif isinstance(action, LogRecord):
-                self._record(action.record)
-                if action.record["event"] == "reject":
-                    if action.record["learner"] in self._stats:
-                        self._stats[action.record["learner"]].rejected += 1
-                    reason = f"contribution rejected: {action.record['reason']}"
-                    for ident in self._ranks_of(action.record["learner"]):
-                        self._send(ident, wire.encode({"type": "error", "code": "rejected", "reason": reason}))
+                record = action.record
+                if record["event"] != "reject" or self._limiter.allow(("reject", record["learner"]), t0,
+                                                                      learner=record["learner"]):
+                    self._record(record)
+                if record["event"] == "reject":
+                    if record["learner"] in self._stats:
+                        self._stats[record["learner"]].rejected += 1
+                    reason = f"contribution rejected: {record['reason']}"
+                    for ident in self._ranks_of(record["learner"]):
+                        self._reply_error(ident, "rejected", reason)
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
                     self._last_merge[action.record["fragment"]] = {
@@ -576,10 +725,29 @@ class SyncerService:
                     if self.core is not None:
                         self._drive(LearnerLeft(peer.learner_id, "silent"))
 
-    def _send(self, ident: bytes, frames: list[Any]) -> None:
-        """A control message (error, bye, init_request): queued in order, never replaced."""
-        self._outboxes.setdefault(ident, Outbox()).add_control(frames)
+    def _send(self, ident: bytes, frames: list[Any], *, droppable: bool = False) -> None:
+        """A control message (error, bye, init_request): queued in order, never replaced.
+        ``droppable`` (errors, receipts): dropped, and counted, when the connection
+        already has ``MAX_QUEUED_REPLIES`` waiting (it reads none of them)."""
+        box = self._outboxes.setdefault(ident, Outbox())
+        if droppable and box.control_pending >= MAX_QUEUED_REPLIES:
+            self.replies_dropped += 1
+            return
+        box.add_control(frames)
+        self.queued_replies_max = max(self.queued_replies_max, box.control_pending)
         self._flush(ident)
+
+    def _reply_error(self, ident: bytes, code: str, reason: str) -> None:
+        self._send(ident, wire.encode({"type": "error", "code": code, "reason": reason}), droppable=True)
+
+    def _peer_event(self, ident: bytes, event: str, **fields: Any) -> None:
+        """A record of bad input from one connection, rate-limited per connection and kind."""
+        if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
+            self._event(event, **fields)
+
+    def _summarise_suppressed(self, expired: list[tuple[Any, int, dict[str, Any]]]) -> None:
+        for key, count, fields in expired:
+            self._event("suppressed", of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
 
     def _send_update(self, ident: bytes, upd: Any, frames: list[Any], reset: bool = False) -> None:
         """A fragment's new value; replaces one of the same fragment still waiting. The
@@ -729,6 +897,7 @@ class SyncerService:
             self._ctx, log=_AuthLog(lambda text: self._event("auth_denied", reason=text)))  # type: ignore[arg-type]
         self._auth.start()
         if s.allowed_keys_dir:
+            self._key_ids = load_key_ids(s.allowed_keys_dir)
             self._auth.configure_curve(domain="*", location=s.allowed_keys_dir)
         else:
             self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
@@ -746,7 +915,10 @@ class SyncerService:
                     self._flush(ident)
             self.checkpoint()
         finally:
-            self._event("stopped", merges=self.merges)
+            self._summarise_suppressed(self._limiter.flush())
+            self._event("stopped", merges=self.merges, rejected_messages=self.rejected_messages,
+                        replies_dropped=self.replies_dropped, log_suppressed=self._limiter.suppressed_total,
+                        queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
             if self._auth is not None:
                 self._auth.stop()
@@ -760,10 +932,12 @@ class SyncerService:
 
     def _record(self, record: dict) -> None:
         if record["event"] == "auth_denied":
-            log.warning("refused a connection: %s", record["reason"])
+            log.warning("auth denied: %s", record["reason"])
         elif record["event"] in WARNING_EVENTS:
             log.warning("%s", record.get("reason", record))
-        elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join"):
+        elif record["event"] in ("identity_refused", "takeover"):
+            log.warning("%s", record.get("reason", record))
+        elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join", "suppressed"):
             log.info("%s", record)
         with self._log_lock:
             if self._log_file:

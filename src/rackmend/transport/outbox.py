@@ -52,6 +52,11 @@ class Outbox:
         """Whether messages wait to be sent (in-flight ones do not count)."""
         return bool(self._control or self._latest or self._last)
 
+    @property
+    def control_pending(self) -> int:
+        """Control messages waiting to be sent."""
+        return len(self._control)
+
     def ack(self, key: Hashable) -> None:
         """The receiver has the last data message sent for ``key``."""
         self._inflight.pop(key, None)

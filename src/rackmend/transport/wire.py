@@ -34,6 +34,7 @@ __all__ = [
     "MAX_EPOCH",
     "MAX_HEADER_BYTES",
     "WireError",
+    "valid_learner_id",
     "Message",
     "encode",
     "decode_header",
@@ -91,6 +92,11 @@ SYNCER_RECEIVES = LEARNER_TYPES + CLIENT_TYPES
 STATUS_REPLY_TYPES = ("status_reply", "error")
 """What a status client accepts (an older syncer answers ``error`` ``bad_message``)."""
 MAX_NONCE = 2**63 - 1
+
+
+def valid_learner_id(lid: str) -> bool:
+    """Whether ``lid`` is a learner id the wire accepts (the whole string is matched)."""
+    return bool(_LEARNER_ID.fullmatch(lid))
 
 
 class WireError(ValueError):

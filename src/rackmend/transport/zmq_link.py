@@ -116,6 +116,10 @@ class ZmqLink(QueueLink):
         self._bye = threading.Event()
         self._leaving = False
         self._hello_at = -math.inf
+        self._hello_due: float | None = None
+        """I/O thread only: when a hello asked for during the back-off goes out."""
+        self._last_send = -math.inf
+        """I/O thread only: when the last message left (heartbeats fill the gaps)."""
         self.learner_id: str | None = None
         self._curve = curve
         self._error: BaseException | None = None
@@ -248,6 +252,10 @@ class ZmqLink(QueueLink):
             dealer.setsockopt(zmq.LINGER, 2000)
             dealer.setsockopt(zmq.SNDHWM, SHORT_HWM)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            # The syncer binds a learner rank to the connection it said hello on. A routing
+            # id of our own (random, never zero-led: those are ZeroMQ's) keeps that binding
+            # across reconnects, where an id the syncer assigned would change each time.
+            dealer.setsockopt(zmq.ROUTING_ID, b"rk" + secrets.token_bytes(14))
             if self._curve is not None:
                 dealer.curve_publickey = self._curve.public
                 dealer.curve_secretkey = self._curve.secret
@@ -262,7 +270,8 @@ class ZmqLink(QueueLink):
             beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
             while True:
                 poller.modify(dealer, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
-                ready = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                wake = next_beat if self._hello_due is None else min(next_beat, self._hello_due)
+                ready = dict(poller.poll(max(0.0, wake - time.monotonic()) * 1000))
                 if ready.get(pipe, 0) & zmq.POLLIN:
                     msg = pipe.recv_multipart(copy=False)
                     kind = msg[0].bytes
@@ -278,8 +287,13 @@ class ZmqLink(QueueLink):
                 if ready.get(dealer, 0) & zmq.POLLIN:
                     self._receive(dealer, dealer.recv_multipart(copy=False))
                 self._flush(dealer)
+                if self._hello_due is not None and time.monotonic() >= self._hello_due:
+                    self._send_hello(dealer)
                 if time.monotonic() >= next_beat:
-                    if not self._outbox:  # anything queued tells the syncer we are alive anyway
+                    # Whatever waits in the outbox: a contribution held until the last one of
+                    # its fragment is acknowledged sends nothing, and the syncer would take
+                    # the silence for a dead learner (and let another connection take its id).
+                    if time.monotonic() - self._last_send >= self.heartbeat_s:
                         self._send_now(dealer, beat)
                     next_beat = time.monotonic() + self.heartbeat_s
                 for p, sent in list(self._fetching.items()):
@@ -294,6 +308,7 @@ class ZmqLink(QueueLink):
 
     def _send_hello(self, dealer: zmq.Socket) -> None:
         self._hello_at = time.monotonic()
+        self._hello_due = None
         self._outbox.forget_inflight()  # a syncer that asks for hello has none of it
         self._send(dealer, self._hello)
 
@@ -307,6 +322,7 @@ class ZmqLink(QueueLink):
         # in the outbox, where a newer contribution of a fragment replaces an older one.
         def send(frames: list[Any]) -> None:
             dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            self._last_send = time.monotonic()
             self.bytes_sent += sum(len(f) if isinstance(f, (bytes, memoryview)) else len(f.buffer) for f in frames)
 
         self._outbox.flush(send)
@@ -315,6 +331,7 @@ class ZmqLink(QueueLink):
         """Send at once or not at all (heartbeats: a late one is worthless)."""
         try:
             dealer.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            self._last_send = time.monotonic()
         except zmq.Again:
             self.dropped_sends += 1
 
@@ -345,9 +362,17 @@ class ZmqLink(QueueLink):
                 code, reason = msg.header.get("code"), str(msg.header.get("reason", ""))[:500]
                 if code == "rejoin" and self._leaving:
                     self._bye.set()  # the syncer does not know us any more: nothing to leave
-                elif code == "rejoin" and time.monotonic() - self._hello_at > _HELLO_BACKOFF_S:
-                    log.info("syncer asks %s to join again (it restarted?); sending hello", self.learner_id)
-                    self._send_hello(dealer)
+                elif code in ("rejoin", "busy"):
+                    if code == "busy":  # our id's rank is live on another connection (a restart of ours?)
+                        log.warning("syncer: %s; retrying the hello", reason)
+                    if time.monotonic() - self._hello_at > _HELLO_BACKOFF_S:
+                        log.info("syncer asks %s to join again (it restarted?); sending hello", self.learner_id)
+                        self._send_hello(dealer)
+                    elif self._hello_due is None:
+                        # Within the back-off: not ignored (it may be the only request, say after
+                        # a restarted syncer dropped the hello sent just before), but answered
+                        # once the back-off is over, however many more arrive meanwhile.
+                        self._hello_due = self._hello_at + _HELLO_BACKOFF_S
                 elif code == "fatal":
                     self._error = TransportError(f"the syncer refused {self.learner_id}: {reason}")
                 else:

@@ -1,0 +1,111 @@
+"""What strangers and junk can cost the syncer: a message from a connection that has
+not joined is held to a small bound, a joined learner's to what its layout needs, and a
+flood of junk from a peer that never reads its replies grows neither the reply queue
+nor the log without bound (the log keeps a few lines per window and a count)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from rackmend.service.syncer import MAX_QUEUED_REPLIES, STRANGER_MAX_BYTES, layout_message_limit
+from rackmend.transport import wire
+
+from procs import Procs, events
+from test_trust import Raw
+
+FLOOD = 20_000
+
+
+def _stranger(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # queue the whole flood here: the test must not block on it
+    sock.connect(endpoint)
+    return sock
+
+
+def _error_reasons(sock: zmq.Socket, timeout: float, *, first: bool = False) -> list[str]:
+    """Reasons of the error replies read within ``timeout`` (``first``: stop at one)."""
+    out, end = [], time.monotonic() + timeout
+    while time.monotonic() < end and sock.poll(max(1, int((end - time.monotonic()) * 1000))):
+        header = msgpack.unpackb(sock.recv_multipart()[0])
+        if header.get("type") == "error":
+            out.append(header["reason"])
+            if first:
+                break
+    return out
+
+
+def _until_marker(sock: zmq.Socket, timeout: float) -> None:
+    """Read replies until the answer to a marker message comes back: the syncer handles
+    one connection's messages in order, so by then it has handled the whole flood."""
+    marker = wire.encode({"type": "end-of-flood"})
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        sock.send_multipart(marker)
+        if any("end-of-flood" in r for r in _error_reasons(sock, 0.5)):
+            return
+    raise AssertionError(f"the syncer did not get through the flood in {timeout}s")
+
+
+def test_message_limits_before_and_after_join(procs: Procs, tmp_path: Path) -> None:
+    _, endpoint = procs.syncer("--overlap", "1")
+    member = Raw(endpoint, "l0")
+    stranger = _stranger(endpoint)
+    try:
+        member.hello()
+        # A hello-sized message is fine from anyone; 4 MiB from a stranger is refused unread.
+        stranger.send_multipart([wire.encode({"type": "heartbeat", "learner": "x", "rank": 0})[0],
+                                 b"\0" * (4 << 20)])
+        reasons = _error_reasons(stranger, 10.0, first=True)
+        assert reasons and f"has not joined exceeds the limit of {STRANGER_MAX_BYTES}" in reasons[0], reasons
+        # A joined learner may send what its layout needs, not more.
+        limit = layout_message_limit(member.frags)
+        member.send([*member.contribution(), b"\0" * (limit + 1)])
+        errors = member.errors(10.0)
+        assert errors and f"exceeds the limit of {limit}" in errors[0]["reason"], errors
+        (named,) = [e for e in events(tmp_path) if e["event"] == "message_limit"]
+        assert named["bytes"] == limit  # what to pass as --max-message-mb for ZeroMQ's own cap
+        member.send(member.contribution())  # an ordinary one still merges
+        end = time.monotonic() + 20
+        while not any(e["event"] == "merge" and "l0" in e["merged"] for e in events(tmp_path)):
+            assert time.monotonic() < end, "the member's contribution was never merged"
+            time.sleep(0.05)
+    finally:
+        member.close()
+        stranger.close()
+
+
+def test_junk_flood_from_a_peer_that_never_reads_is_bounded(procs: Procs, tmp_path: Path) -> None:
+    syncer, endpoint = procs.syncer("--overlap", "1")
+    Raw(endpoint, "seed").hello()  # a started core: junk meets the full set of checks
+    stranger = _stranger(endpoint)
+    junk = [
+        [b"\x93\xff\x00 not msgpack"],
+        wire.encode({"type": "contrib", "learner": "ghost", "rank": 0}),  # unknown peer
+        wire.encode({"type": "nonsense", "learner": "ghost", "rank": 0}),
+        [msgpack.packb({"proto": 1, "type": "heartbeat"})],
+    ]
+    try:
+        for i in range(FLOOD):  # sent without reading a single reply
+            stranger.send_multipart(junk[i % len(junk)])
+        _until_marker(stranger, 120.0)
+    finally:
+        stranger.close()
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    ev = events(tmp_path)
+    (stopped,) = [e for e in ev if e["event"] == "stopped"]
+    assert stopped["rejected_messages"] >= FLOOD
+    assert stopped["queued_replies_max"] <= MAX_QUEUED_REPLIES, stopped
+    assert stopped["replies_dropped"] > 0, "the peer read nothing, yet no reply was dropped"
+    peer = next(e["peer"] for e in ev if e["event"] in ("bad_message", "unknown_peer"))
+    lines = [e for e in ev if e.get("peer") == peer and e["event"] in ("bad_message", "unknown_peer")]
+    counted = sum(e["count"] for e in ev if e["event"] == "suppressed" and e.get("peer") == peer)
+    assert len(lines) < 100, f"{len(lines)} log lines for one junk peer"
+    assert len(lines) + counted >= FLOOD, "junk was neither logged nor counted"

@@ -1,0 +1,266 @@
+"""A learner id is bound to something a stranger cannot borrow: with Curve, to the keys
+allowed to use it; without, to the connection that said hello for it. Forged hellos,
+leaves and contributions are refused and logged while the real learner keeps merging.
+And the learner's link side: a rejoin request during the hello back-off is answered,
+heartbeats go on while a contribution waits for its receipt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+import zmq
+import zmq.auth
+
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.messages import Contribution, Update
+from rackmend.core.settings import LearnerSettings
+from rackmend.transport import wire
+from rackmend.transport.zmq_link import ZmqLink
+
+from helpers import make_model
+from procs import Procs, events, wait_for
+from test_trust import CONFIG, Raw
+
+# The learner processes train with the raw clients' settings (test_trust.CONFIG): H=4, P=2, tau=1.
+LEARNER_FLAGS = ("--H", "4", "--P", "2", "--tau", "1", "--steps", "100000", "--step-sleep", "0.01")
+SYNCER_FLAGS = ("--overlap", "1", "--grace-max", "0.05")
+
+
+def merges_of(tmp: Path, lid: str, start: int = 0) -> int:
+    return sum(1 for e in events(tmp)[start:] if e["event"] == "merge" and lid in e["merged"])
+
+
+def first_error(raw: Raw, timeout: float) -> dict | None:
+    """The first error reply within ``timeout`` (updates and receipts skipped)."""
+    errors = raw.errors(timeout)
+    return errors[0] if errors else None
+
+
+def test_forged_hello_leave_and_contribution_are_refused_and_a_storm_does_not_cut_merges(
+        procs: Procs, tmp_path: Path) -> None:
+    _, endpoint = procs.syncer(*SYNCER_FLAGS)
+    real = procs.learner(endpoint, "l0", *LEARNER_FLAGS)
+    wait_for(lambda: merges_of(tmp_path, "l0") >= 5, 60, "l0 to merge", (real,))
+    mallory = Raw(endpoint, "l0")
+    storm = [Raw(endpoint, "l0") for _ in range(4)]
+    try:
+        settings = LearnerSettings.from_config(CONFIG)
+        mallory.send(wire.hello_frames("l0", 0, 1, mallory.frags, settings))
+        err = first_error(mallory, 10.0)
+        assert err is not None and err["code"] == "busy" and "live on another connection" in err["reason"], err
+        mallory.send(wire.encode({"type": "leave", "learner": "l0", "rank": 0}))
+        err = first_error(mallory, 10.0)
+        assert err is not None and "held by another connection" in err["reason"], err
+        mallory.send(mallory.contribution(step_time=0.01))
+        err = first_error(mallory, 10.0)
+        assert err is not None and "held by another connection" in err["reason"], err
+        # A claim on another rank of l0 with another world size is no way in either.
+        mallory.send(wire.hello_frames("l0", 1, 2, mallory.frags, settings))
+        err = first_error(mallory, 10.0)
+        assert err is not None and err["code"] == "busy" and "ranks" in err["reason"], err
+
+        start = len(events(tmp_path))
+        before = merges_of(tmp_path, "l0")
+        hello = [bytes(f) for f in wire.hello_frames("l0", 0, 1, mallory.frags, settings)]
+        leave = [bytes(f) for f in wire.encode({"type": "leave", "learner": "l0", "rank": 0})]
+        for _ in range(150):  # 1200 forged messages, sent without reading a reply
+            for raw in storm:
+                raw.send(hello)
+                raw.send(leave)
+        wait_for(lambda: merges_of(tmp_path, "l0") >= before + 10, 60, "l0 to keep merging through the storm",
+                 (real,))
+    finally:
+        mallory.close()
+        for raw in storm:
+            raw.close()
+    ev = events(tmp_path)
+    refused = [e for e in ev if e["event"] == "identity_refused"]
+    assert {e["type"] for e in refused} >= {"hello", "leave", "contrib"}
+    assert not [e for e in ev if e["event"] in ("leave", "silent", "takeover") and e.get("learner") == "l0"]
+    assert [e["learner"] for e in ev if e["event"] == "join"] == ["l0"], "a forged hello joined"
+    # The storm's log lines are bounded per connection (the rest counted, not written).
+    assert len([e for e in ev[start:] if e["event"] == "identity_refused"]) <= 2 * 5 * len(storm)
+
+
+def test_a_silent_learners_id_is_taken_over_only_after_takeover_after(procs: Procs, tmp_path: Path) -> None:
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--takeover-after", "1.5")
+    first, second = Raw(endpoint, "l5"), Raw(endpoint, "l5")
+    try:
+        first.hello()
+        second.send(wire.hello_frames("l5", 0, 1, second.frags, LearnerSettings.from_config(CONFIG)))
+        err = first_error(second, 10.0)
+        assert err is not None and err["code"] == "busy", err
+        time.sleep(1.6)  # first says nothing more: silent past --takeover-after
+        second.hello()  # raises if refused
+        ev = events(tmp_path)
+        (take,) = [e for e in ev if e["event"] == "takeover"]
+        assert take["learner"] == "l5" and take["silent_s"] >= 1.5
+        # The old connection lost the id: its contribution is refused now.
+        first.send(first.contribution())
+        err = first_error(first, 10.0)
+        assert err is not None and "held by another connection" in err["reason"], err
+    finally:
+        first.close()
+        second.close()
+
+
+def _keygen(keys: Path, name: str, *extra: str) -> None:
+    subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name, *extra], check=True,
+                   capture_output=True, timeout=60)
+
+
+def _curve_raw(endpoint: str, lid: str, keys: Path, name: str) -> Raw:
+    raw = Raw(endpoint, lid)
+    raw.sock.close()
+    pub, sec = zmq.auth.load_certificate(str(keys / f"{name}.key_secret"))
+    server, _ = zmq.auth.load_certificate(str(keys / "syncer.key"))
+    raw.sock = zmq.Context.instance().socket(zmq.DEALER)
+    raw.sock.setsockopt(zmq.LINGER, 0)
+    raw.sock.curve_publickey, raw.sock.curve_secretkey, raw.sock.curve_serverkey = pub, sec, server
+    raw.sock.connect(endpoint)
+    return raw
+
+
+def test_with_curve_a_key_speaks_only_as_its_learner_ids(procs: Procs, tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("syncer", "l0", "l1"):
+        _keygen(keys, name)
+    allowed.mkdir()
+    for name in ("l0", "l1"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--secret-key", str(keys / "syncer.key_secret"),
+                               "--allowed-keys", str(allowed))
+    real = procs.learner(endpoint, "l1", *LEARNER_FLAGS, "--keys", str(keys / "l1.key"),
+                         str(keys / "l1.key_secret"), str(keys / "syncer.key"))
+    wait_for(lambda: merges_of(tmp_path, "l1") >= 3, 60, "l1 to merge", (real,))
+    l0 = _curve_raw(endpoint, "l0", keys, "l0")
+    try:
+        l0.hello()  # its own id: fine
+        # l0's key sending as l1, while the real l1 runs: a contribution, then a hello.
+        l0.learner = "l1"
+        l0.send(l0.contribution(base=0))
+        err = first_error(l0, 10.0)
+        assert err is not None and err["code"] == "denied" and "may speak as ['l0'] only" in err["reason"], err
+        l0.send(wire.hello_frames("l1", 0, 1, l0.frags, LearnerSettings.from_config(CONFIG)))
+        err = first_error(l0, 10.0)
+        assert err is not None and err["code"] == "fatal" and "not as 'l1'" in err["reason"], err
+    finally:
+        l0.close()
+    ev = events(tmp_path)
+    denied = [e for e in ev if e["event"] == "auth_denied" and "learner" in e]
+    assert [(e["learner"], e["type"]) for e in denied] == [("l1", "contrib"), ("l1", "hello")]
+    assert sorted(e["learner"] for e in ev if e["event"] == "join") == ["l0", "l1"]
+    assert real.poll() is None and merges_of(tmp_path, "l1") >= 3
+
+
+def test_keygen_learners_names_the_ids_a_key_may_use(tmp_path: Path) -> None:
+    from rackmend.service.identity import load_key_ids
+
+    _keygen(tmp_path, "l0")
+    _keygen(tmp_path, "ops", "--learners", "l2,l3")  # one key for two learners, named in its metadata
+    _keygen(tmp_path, "any", "--learners", "*")
+    ids = {next(k for k in load_key_ids(tmp_path) if k == zmq.auth.load_certificate(str(tmp_path / f"{n}.key"))[
+        0].decode()): n for n in ("l0", "ops", "any")}
+    got = {ids[k]: v for k, v in load_key_ids(tmp_path).items()}
+    assert got == {"l0": frozenset({"l0"}), "ops": frozenset({"l2", "l3"}), "any": None}
+    bad = subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(tmp_path), "x", "--learners", "l0\n"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--learners" in bad.stderr
+
+
+# ------------------------------------------------------------------ the link's side
+class FakeSyncer:
+    """A ROUTER answering a link's hello by hand: the link's side of the protocol alone."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frags = pack_fragments(make_model(), 2, 4)
+
+    def recv(self, timeout: float) -> tuple[bytes, dict] | None:
+        if not self.sock.poll(max(1, int(timeout * 1000))):
+            return None
+        ident, head, *_ = self.sock.recv_multipart()
+        return ident, msgpack.unpackb(head)
+
+    def expect(self, kind: str, timeout: float) -> tuple[bytes, dict]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = self.recv(end - time.monotonic())
+            if got is not None and got[1]["type"] == kind:
+                return got
+        raise AssertionError(f"no {kind} within {timeout}s")
+
+    def count(self, kind: str, seconds: float) -> int:
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            got = self.recv(end - time.monotonic())
+            n += got is not None and got[1]["type"] == kind
+        return n
+
+    def send(self, ident: bytes, frames: list) -> None:
+        self.sock.send_multipart([ident, *frames], copy=False)
+
+    def welcome(self, ident: bytes) -> None:
+        for spec in self.frags:
+            values = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors)
+            self.send(ident, wire.update_frames(Update(spec.index, 0, values, epoch=1), reset=True))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _link(endpoint: str) -> ZmqLink:
+    return ZmqLink(endpoint, rank=0, world_size=1, heartbeat_s=0.2, leave_timeout_s=0.5)
+
+
+def _join_in_thread(link: ZmqLink, frags: list) -> threading.Thread:
+    """The link's join, on a thread (it returns once the fake syncer has welcomed it)."""
+    initial = [[torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors] for spec in frags]
+    th = threading.Thread(target=lambda: link.join("l0", frags, initial, 30.0,
+                                                   settings=LearnerSettings.from_config(CONFIG)), daemon=True)
+    th.start()
+    return th
+
+
+def test_a_rejoin_during_the_hello_back_off_is_answered_when_it_ends() -> None:
+    fake = FakeSyncer()
+    link = _link(fake.endpoint)
+    try:
+        joining = _join_in_thread(link, fake.frags)
+        ident, _ = fake.expect("hello", 10.0)
+        # At once, so within the link's back-off: a syncer that lost the hello asks again.
+        fake.send(ident, wire.encode({"type": "error", "code": "rejoin", "reason": "send hello first"}))
+        ident, _ = fake.expect("hello", 10.0)  # the old link ignored it and never said hello again
+        fake.welcome(ident)
+        joining.join(10.0)
+        assert not joining.is_alive()
+    finally:
+        link.leave()
+        fake.close()
+
+
+def test_heartbeats_go_on_while_a_contribution_waits_for_its_receipt() -> None:
+    fake = FakeSyncer()
+    link = _link(fake.endpoint)
+    try:
+        joining = _join_in_thread(link, fake.frags)
+        ident, _ = fake.expect("hello", 10.0)
+        fake.welcome(ident)
+        joining.join(10.0)
+        tensors = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in fake.frags[0].tensors)
+        for step in (4, 8):  # the first goes out and is never acknowledged; the second waits behind it
+            link.send(Contribution("l0", 0, 0, step, 4, 16.0, 0.01, tensors))
+        fake.expect("contrib", 10.0)
+        assert fake.count("heartbeat", 2.0) >= 4, "the link went silent while a contribution waited"
+    finally:
+        link.leave()
+        fake.close()
