@@ -281,10 +281,10 @@ def test_final_merge_merges_every_fragment_with_pending_work() -> None:
     ms = merges(acts)
     assert [m["fragment"] for m in ms] == [0, 2] and all(m["cause"] == "final" for m in ms)
     assert core.versions == [1, 0, 1]
-    # Each fragment averages the two models: the learner with nothing pending for it
-    # made no progress on it since the last merge (count_absent, equal weights).
-    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
-    assert torch.equal(core.theta[2][0], torch.full((N,), -0.5))
+    # Neither learner's work has gone into the other's fragment yet, so neither counts
+    # as absent there (count_absent counts only learners whose work arrives).
+    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
+    assert torch.equal(core.theta[2][0], torch.full((N,), -1.0))
 
 
 def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module, list[torch.Tensor]]:

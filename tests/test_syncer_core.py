@@ -61,10 +61,10 @@ def test_quorum_then_grace_expiry() -> None:
     assert m["merged"] == ["a", "b"] and m["absent"] == ["c"] and m["round"] == 0
     assert m["quorum_s"] == pytest.approx(0.5) and m["grace_s"] == pytest.approx(1.0)
     assert core.versions[0] == 1 and core.next_deadline() is None
-    # outer SGD lr=1 without momentum: theta <- theta - sum(w delta) / (w_a + w_b + w_c),
-    # c counted as sending zero at the present learners' (median) weight.
-    assert m["absent_share"] == pytest.approx(1 / 3)
-    assert torch.allclose(core.theta[0][0], torch.full((N,), -2 / 3))
+    # outer SGD lr=1 without momentum: theta <- theta - mean(delta); c never contributed,
+    # so it is not counted as absent (count_absent only counts learners whose work arrives).
+    assert m["absent_share"] == 0.0
+    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
 
 
 def test_without_count_absent_a_partial_round_takes_the_mean_of_what_came() -> None:
@@ -90,6 +90,26 @@ def test_absent_learner_weighs_what_it_last_merged_with() -> None:
     assert m["weights"]["a"] == pytest.approx(8 / 88) and m["absent_share"] == pytest.approx(80 / 88)
     before = -(8 + 8 + 72 * 1.0) / 88
     assert torch.allclose(core.theta[0][0], torch.full((N,), before - 2.0 * 8 / 88))
+
+
+def test_only_learners_whose_work_still_arrives_count_as_absent() -> None:
+    """A joined peer that never contributed, or one whose last merged work is more than
+    max_staleness versions old, does not damp the merges of those who train."""
+    core = make_core(K=1, grace_max=0.5, max_staleness=2)
+    core.handle(contrib("a"), 0.0)
+    core.handle(contrib("b"), 0.1)
+    (m,) = merges(core.handle(Tick(), 0.6))  # c never sends: absent, but not counted
+    assert m["absent"] == ["c"] and m["absent_share"] == 0.0
+    t = 1.0
+    shares = []
+    for v in range(1, 5):  # from now on b is idle too (but connected)
+        core.handle(contrib("a", base=v, step=8 * (v + 1)), t)
+        (m,) = merges(core.handle(Tick(), t + 0.5))
+        shares.append(m["absent_share"])
+        t += 1.0
+    # b's work went into version 1; it counts while the current version is within
+    # max_staleness (2) of that: in the rounds from versions 1, 2 and 3, not from 4.
+    assert shares == [pytest.approx(0.5)] * 3 + [0.0]
 
 
 def test_a_learner_that_left_is_not_counted_as_absent() -> None:

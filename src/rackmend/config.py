@@ -167,7 +167,9 @@ class SyncerConfig:
 
     count_absent: bool = True
     """In a round that closes without every connected learner, count each missing one
-    as contributing a zero outer gradient at its usual weight (its latest counters),
+    whose work went into one of this fragment's last ``max_staleness`` versions (a
+    joined peer that never contributes, or stopped, is not counted) as contributing a
+    zero outer gradient at its usual weight (its latest counters),
     so the round moves the global value by the present learners' share of the work
     only. Off, a round that closes on one learner of four sets the value to that
     learner's model (with ``outer_lr`` 1): the fragments jump between learners'

@@ -358,6 +358,9 @@ class SyncerCore:
         self.last_counts: dict[str, tuple[float, int]] = {}
         """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
         it is counted with in a round it misses (``count_absent``)."""
+        self.last_merged: dict[tuple[str, int], int] = {}
+        """Per (learner, fragment), the version its work last went into: only a learner
+        whose work still arrives counts as absent (an idle peer must not damp every merge)."""
         self.merge_gain: list[float | None] = [None] * len(self.fragments)
         """Per fragment, the median merge gain the learners reported in its last merge
         (their probe loss before minus after applying the previous value)."""
@@ -506,6 +509,7 @@ class SyncerCore:
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
+            "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
             "epoch": self.epoch,
             "lineage": [[e, list(kept)] for e, kept in self.lineage],
         }
@@ -559,6 +563,8 @@ class SyncerCore:
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
+        for lid, p, v in meta.get("last_merged", []):
+            self.last_merged[(lid, int(p))] = int(v)
         # The run that wrote the checkpoint made the values up to its versions; anything
         # it made after them is lost. (Checkpoints older than epochs have no lineage.)
         self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.get("lineage", [])]
@@ -863,8 +869,8 @@ class SyncerCore:
             if not ids:
                 self.rounds[p] = _Round()
                 return
-        absent_ids = self._absent(ids)
-        counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self._usual_counts(a, contribs) for a in absent_ids]
+        absent_ids = self._absent(p, ids)
+        counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self._usual_counts(a) for a in absent_ids]
         raw_all = merge_weights(sc.weighting, [t for t, _ in counts], [s for _, s in counts])
         raw, absent_weight = raw_all[: len(ids)], math.fsum(raw_all[len(ids):])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
@@ -938,23 +944,23 @@ class SyncerCore:
         )
         for lid, c in zip(ids, contribs):
             self.last_counts[lid] = (c.c_tokens, c.c_steps)
+            self.last_merged[(lid, p)] = version
         self.rounds[p] = _Round()
         self._watch_gains(p, gains, now, actions)
 
-    def _absent(self, ids: Sequence[str]) -> list[str]:
-        """Connected learners missing from a round of ``ids`` that count as sending zero."""
+    def _absent(self, p: int, ids: Sequence[str]) -> list[str]:
+        """Connected learners missing from fragment ``p``'s round of ``ids`` that count as
+        sending zero: those whose work went into one of the last ``max_staleness``
+        versions (a joined peer that never contributes, or stopped, is not counted)."""
         if not self.config.syncer.count_absent:
             return []
-        return sorted(set(self.connected_learners()) - set(ids))
+        recent = self.versions[p] - self.config.syncer.max_staleness
+        return sorted(lid for lid in set(self.connected_learners()) - set(ids)
+                      if (lid, p) in self.last_merged and self.last_merged[(lid, p)] >= recent)
 
-    def _usual_counts(self, lid: str, present: Sequence[Contribution]) -> tuple[float, int]:
-        """The counters an absent learner is weighted with: its latest merged ones, or
-        (never merged yet) the median of the present contributions'."""
-        if lid in self.last_counts:
-            return self.last_counts[lid]
-        ordered = sorted(present, key=lambda c: (c.c_tokens, c.c_steps))
-        mid = ordered[len(ordered) // 2]
-        return mid.c_tokens, mid.c_steps
+    def _usual_counts(self, lid: str) -> tuple[float, int]:
+        """The counters an absent learner is weighted with: its latest merged ones."""
+        return self.last_counts[lid]
 
     def _drop(self, p: int, now: float, ids: list[str], reason: str, actions: list[Action]) -> None:
         """Drop the pending work of ``ids`` from fragment ``p``'s round, logged; the
