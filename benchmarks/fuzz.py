@@ -32,7 +32,6 @@ The test suite runs a slice (``run``, a few thousand messages) in tests/test_wir
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math

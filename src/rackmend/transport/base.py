@@ -12,6 +12,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
@@ -64,13 +65,24 @@ class LearnerLink(Protocol):
 
 class QueueLink:
     """The receiving half shared by links whose updates land in a ``queue.Queue``:
-    ``poll`` and ``wait`` with updates for other fragments held back, never lost."""
+    ``poll`` and ``wait`` with updates for other fragments held back, never lost; and
+    ``poll_advice`` for the syncer's fail-slow reports about this learner."""
 
     def __init__(self, alive: Callable[[], BaseException | None]) -> None:
         self._box: "queue.Queue[Update]" = queue.Queue()
         self._held_back: list[Update] = []
         self._alive = alive
         """Returns the carrier's failure, or None while it works."""
+        self._advice: "queue.Queue[FailSlowReport]" = queue.Queue()
+
+    def poll_advice(self) -> list[FailSlowReport]:
+        """Fail-slow reports for this learner since the last call, oldest first; never blocks."""
+        out = []
+        while True:
+            try:
+                out.append(self._advice.get_nowait())
+            except queue.Empty:
+                return out
 
     def poll(self) -> list[Update]:
         out, self._held_back = self._held_back, []

@@ -178,16 +178,6 @@ class InProcessLink(QueueLink):
         self.rank = 0
         self.world_size = 1
         """An in-process link carries a single-process learner (all its fragments)."""
-        self._advice: "queue.Queue[FailSlowReport]" = queue.Queue()
-
-    def poll_advice(self) -> list[FailSlowReport]:
-        """Fail-slow reports for this learner since the last call, oldest first; never blocks."""
-        out = []
-        while True:
-            try:
-                out.append(self._advice.get_nowait())
-            except queue.Empty:
-                return out
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,

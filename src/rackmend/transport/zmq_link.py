@@ -21,7 +21,6 @@ import logging
 import dataclasses
 import math
 import os
-import queue
 import secrets
 import threading
 import time
@@ -32,7 +31,6 @@ from typing import Any, Sequence
 import torch
 import zmq
 
-from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
@@ -148,7 +146,6 @@ class ZmqLink(QueueLink):
         """I/O thread only: per fragment, the latest full value received, its epoch and version."""
         self._fetching: dict[int, float] = {}
         """I/O thread only: fragments with a fetch outstanding, and when it was sent."""
-        self._advice: "queue.Queue[FailSlowReport]" = queue.Queue()
 
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
@@ -210,15 +207,6 @@ class ZmqLink(QueueLink):
         contribution = dataclasses.replace(contribution, session=self._session, seq=seq)
         frames = wire.contribution_frames(contribution, self.rank)
         self._pipe_out.send_multipart([b"C", str(contribution.fragment).encode(), *frames], copy=False)
-
-    def poll_advice(self) -> list[FailSlowReport]:
-        """Fail-slow reports the syncer sent since the last call, oldest first; never blocks."""
-        out = []
-        while True:
-            try:
-                out.append(self._advice.get_nowait())
-            except queue.Empty:
-                return out
 
     @property
     def superseded_sends(self) -> int:
