@@ -6,6 +6,7 @@ while learners keep being served; the asker never counts as a learner."""
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -194,3 +195,14 @@ def test_interactive_view_redraws_a_bounded_number_of_times(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("\x1b[H\x1b[2J") == 3 and done.stdout.count("LEARNER") == 3
     assert "waiting for a learner" in done.stdout
+
+
+def test_status_into_a_pipe_closed_early_ends_quietly(procs: Procs, tmp_path: Path) -> None:
+    """`rackmend status ... | head -1`: the reader leaves after one line while frames keep
+    coming; that is a normal end, not a traceback."""
+    _, endpoint = procs.syncer()
+    cmd = f"{shlex.join(STATUS)} {endpoint} --iterations 40 --interval 0 --no-clear | head -1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip(), done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr

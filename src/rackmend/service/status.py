@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -125,7 +126,17 @@ def render(status: dict[str, Any], endpoint: str) -> str:
 
 
 def main(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
-    stdout = stdout or sys.stdout
+    try:
+        return _main(args, stdout or sys.stdout)
+    except BrokenPipeError:
+        # The reader went away (`rackmend status ... | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not complain again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(args: argparse.Namespace, stdout: TextIO) -> int:
     try:
         curve = _curve(args)
     except ValueError as exc:
