@@ -61,6 +61,10 @@ def main() -> int:
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1)  # tests dump a stuck learner's stacks with SIGUSR1
+    # Tests stop a learner with SIGINT, as Ctrl-C would. A process started from a shell's
+    # background job inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: the learner would train on through the signal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
