@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import msgpack
 import torch
 import torch.nn.functional as F
 import zmq
+from safetensors.torch import load_file
 from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
@@ -75,6 +77,15 @@ def assert_equal_to_reference(models: dict[str, nn.Module], hub: InProcessSyncer
     for p, ref in enumerate(ref_theta):
         for a, b in zip(hub.core.theta[p], ref):
             assert torch.equal(a, b), f"syncer fragment {p} differs from the reference"
+
+
+def assert_files_equal_reference(tmp_path: Path, ids: list[str], ref_models: dict[str, nn.Module]) -> None:
+    """Each learner process's saved final parameters (``<tmp_path>/<id>.safetensors``)
+    equal the reference run's, bit for bit."""
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref_models[lid].state_dict().items():
+            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
 
 
 def run_inprocess(

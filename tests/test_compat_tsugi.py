@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rackmend.compat.tsugi import MendConfig, get_runtime, mend_init, mend_shutdown
 from rackmend.config import ConfigError
@@ -19,7 +18,7 @@ from rackmend.core.fragments import fragment_offsets
 from rackmend.service.cli import add_syncer_arguments, build, resolve
 from rackmend.transport import InProcessSyncer
 
-from helpers import batch, make_inner, make_model
+from helpers import assert_files_equal_reference, batch, make_inner, make_model
 from procs import HERE, Procs, events, finish
 from reference import reference_run
 
@@ -39,10 +38,7 @@ def test_the_sdks_quickstart_in_two_processes_equals_the_reference(procs: Procs,
 
     torch.set_num_threads(1)
     ref_models, _ = reference_run(make_model, make_inner, batch, config.to_rackmend(tuple(ids)), ids, steps)
-    for lid in ids:
-        got = load_file(str(tmp_path / f"{lid}.safetensors"))
-        for name, value in ref_models[lid].state_dict().items():
-            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+    assert_files_equal_reference(tmp_path, ids, ref_models)
     merges = [e for e in events(tmp_path) if e["event"] == "merge"]
     assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
     assert all(e["weights"]["l0"] != e["weights"]["l1"] for e in merges), "token weights were not used"

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from rackmend import (
@@ -28,7 +27,7 @@ from rackmend.core.fragments import pack_fragments
 from rackmend.learner.optimizer import ResumeOrderError
 from rackmend.transport.base import TransportError
 
-from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_threads, train
+from helpers import assert_equal_to_reference, assert_files_equal_reference, batch, make_inner, make_model, run_threads, train
 from reference import reference_run
 from procs import LEARNER, TORCHRUN, Procs, events, finish
 
@@ -72,10 +71,7 @@ def test_ddp_rack_with_the_documented_plain_link_equals_the_reference(procs: Pro
     assert all(e["merged"] == ids for e in merges)
     config = _config(P, tau, M=2)
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
-    for lid in ids:
-        got = load_file(str(tmp_path / f"{lid}.safetensors"))
-        for name, value in ref_models[lid].state_dict().items():
-            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+    assert_files_equal_reference(tmp_path, ids, ref_models)
 
 
 # ---------------------------------------------------------------- 2. tokens

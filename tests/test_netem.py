@@ -113,6 +113,30 @@ def _thread(target: Callable[[], None]) -> threading.Thread:
     return t
 
 
+def _saturate(sock: socket.socket, stop: threading.Event,
+              arrivals: list[tuple[float, int]]) -> tuple[threading.Thread, threading.Thread]:
+    """Threads that keep ``sock`` full until ``stop`` and note (time, bytes so far) of
+    every receive in ``arrivals``: the measured rate is what the link lets through."""
+    def send() -> None:
+        block = b"z" * 16384
+        try:
+            while not stop.is_set():
+                sock.sendall(block)
+        except OSError:
+            pass
+
+    def receive() -> None:
+        got = 0
+        try:
+            while data := sock.recv(65536):
+                got += len(data)
+                arrivals.append((time.monotonic(), got))
+        except OSError:
+            pass
+
+    return _thread(send), _thread(receive)
+
+
 def _join(t: threading.Thread, timeout: float = 15.0) -> None:
     t.join(timeout)
     assert not t.is_alive(), "a helper thread did not finish in time"
@@ -214,24 +238,7 @@ def test_set_config_changes_the_rate_at_runtime(echo: tuple[str, int]) -> None:
     with LinkEmulator(echo, LinkConfig(bandwidth_bps=fast)).start() as link:
         sock = _connect(link, timeout=15)
 
-        def send() -> None:
-            block = b"y" * 16384
-            try:
-                while not stop.is_set():
-                    sock.sendall(block)
-            except OSError:
-                pass
-
-        def receive() -> None:
-            got = 0
-            try:
-                while data := sock.recv(65536):
-                    got += len(data)
-                    arrivals.append((time.monotonic(), got))
-            except OSError:
-                pass
-
-        sender, receiver = _thread(send), _thread(receive)
+        sender, receiver = _saturate(sock, stop, arrivals)
         t = time.monotonic()
         time.sleep(1.4)
         link.set_config(LinkConfig(bandwidth_bps=slow))
@@ -374,24 +381,7 @@ def test_throttle_outage_caps_the_rate_then_restores_it(echo: tuple[str, int]) -
         t0 = link.started_at
         sock = _connect(link, timeout=15)
 
-        def send() -> None:
-            block = b"z" * 16384
-            try:
-                while not stop.is_set():
-                    sock.sendall(block)
-            except OSError:
-                pass
-
-        def receive() -> None:
-            got = 0
-            try:
-                while data := sock.recv(65536):
-                    got += len(data)
-                    arrivals.append((time.monotonic(), got))
-            except OSError:
-                pass
-
-        sender, receiver = _thread(send), _thread(receive)
+        sender, receiver = _saturate(sock, stop, arrivals)
         _sleep_until(t0 + start + duration + 1.3)
         stop.set()
         sock.shutdown(socket.SHUT_RDWR)

@@ -23,7 +23,7 @@ from rackmend.service import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import Dealer, batch, make_inner, make_model, serving, train
+from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model, serving, train
 from reference import reference_run
 
 from procs import LEARNER, TORCHRUN, Procs, events, finish, progress, wait_for
@@ -47,10 +47,7 @@ def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Pat
                             syncer=SyncerConfig(min_quorum=3, learners=tuple(ids)), deterministic=True)
     torch.set_num_threads(1)
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
-    for lid in ids:
-        got = load_file(str(tmp_path / f"{lid}.safetensors"))
-        for name, value in ref_models[lid].state_dict().items():
-            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
+    assert_files_equal_reference(tmp_path, ids, ref_models)
     merges = [e for e in events(tmp_path) if e["event"] == "merge"]
     assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
     if ranks > 1:  # every fragment came from its owner rank: p mod 2
@@ -88,10 +85,8 @@ def test_compressed_learner_processes_equal_the_reference(procs: Procs, tmp_path
         for i, value in enumerate(values):
             assert torch.equal(checkpoint[f"theta/{p}/{i}"], value), f"syncer fragment {p} differs from the reference"
     assert any(k.startswith("downlink/residual/") for k in checkpoint), "the checkpoint lacks the downlink residual"
+    assert_files_equal_reference(tmp_path, ids, ref_models)
     for lid in ids:
-        got = load_file(str(tmp_path / f"{lid}.safetensors"))
-        for name, value in ref_models[lid].state_dict().items():
-            assert torch.equal(got[name], value), f"{lid}.{name} differs from the reference"
         held = load_file(str(tmp_path / f"{lid}.held.safetensors"))
         for p, v in enumerate(held["versions"].tolist()):
             assert v >= 3

@@ -870,7 +870,7 @@ class SyncerCore:
                 self.rounds[p] = _Round()
                 return
         absent_ids = self._absent(p, ids)
-        counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self._usual_counts(a) for a in absent_ids]
+        counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self.last_counts[a] for a in absent_ids]
         raw_all = merge_weights(sc.weighting, [t for t, _ in counts], [s for _, s in counts])
         raw, absent_weight = raw_all[: len(ids)], math.fsum(raw_all[len(ids):])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
@@ -957,10 +957,6 @@ class SyncerCore:
         recent = self.versions[p] - self.config.syncer.max_staleness
         return sorted(lid for lid in set(self.connected_learners()) - set(ids)
                       if (lid, p) in self.last_merged and self.last_merged[(lid, p)] >= recent)
-
-    def _usual_counts(self, lid: str) -> tuple[float, int]:
-        """The counters an absent learner is weighted with: its latest merged ones."""
-        return self.last_counts[lid]
 
     def _drop(self, p: int, now: float, ids: list[str], reason: str, actions: list[Action]) -> None:
         """Drop the pending work of ``ids`` from fragment ``p``'s round, logged; the
