@@ -183,6 +183,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         syncer sends this learner: ``state`` slow (rounds no longer wait for it), evict
         (marked for eviction) or restored, naming the slow ``rank``. Replace it to act,
         e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
+        self._poll_advice: Callable[[], list[FailSlowReport]] | None = getattr(link, "poll_advice", None)
+        """The link's fail-slow advice, looked up once (links without it have none)."""
         self._rank_times: list[float] = []
         """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
         self._join()
@@ -349,9 +351,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if dt > 0:  # the first step has no start time to measure from
             self._rank_times.append(dt)
         self._absorb(self.link.poll())
-        poll_advice = getattr(self.link, "poll_advice", None)  # links without fail-slow advice lack it
-        if poll_advice is not None:
-            for report in poll_advice():
+        if self._poll_advice is not None:
+            for report in self._poll_advice():
                 self.on_fail_slow(report)
         for p in fragments_due(t, self.fragments, self.config.schedule.sync_every):
             self._send(p)
