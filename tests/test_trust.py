@@ -136,6 +136,45 @@ def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
     assert change <= guard["bound"] * 1.01  # the weighted mean of two contributions within the bound
 
 
+@pytest.mark.parametrize("steps,clipped", [(80, False), (8, True)])
+def test_guard_allows_for_the_steps_behind_a_send(steps: int, clipped: bool) -> None:
+    # Back from an outage, a learner's first send holds every step made meanwhile (10x the
+    # usual 8 here) and its norm grows with them: not an outlier. The same norm over the
+    # usual steps is one.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    norm = 100 * torch.linalg.vector_norm(torch.full((N,), 0.01)).item()
+    big = torch.full((N,), 0.01) * 100
+    actions = core.handle(contrib("b", big, base=core.versions[0], step=step + steps, steps=steps), 10.0)
+    guards = events(actions, "guard")
+    assert bool(guards) == clipped, guards
+    if clipped:
+        assert guards[0]["c_steps"] == 8 and guards[0]["usual_steps"] == 8 and guards[0]["norm"] == pytest.approx(norm)
+
+
+def test_guard_allowance_for_claimed_steps_is_capped() -> None:
+    # c_steps is the sender's word: claiming a huge amount of work buys at most
+    # GUARD_STEPS_CAP x the usual bound.
+    from rackmend.core.syncer import GUARD_STEPS_CAP
+
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    bad = torch.full((N,), 1e3)
+    actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8, steps=10**6), 10.0)
+    (guard,) = events(actions, "guard")
+    assert guard["bound"] == pytest.approx(core.config.syncer.norm_guard * GUARD_STEPS_CAP * guard["median"])
+
+
+def test_guard_scale_survives_a_checkpoint() -> None:
+    core = make_core(K=2)
+    _honest_rounds(core, 4)
+    tensors, meta = core.state_dict()
+    resumed = make_core(K=2)
+    resumed.load_state_dict(tensors, meta)
+    assert list(resumed.norms[0]) == list(core.norms[0]) and len(core.norms[0]) == 8
+    assert list(resumed.norm_steps[0]) == list(core.norm_steps[0]) == [8] * 8
+
+
 def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:
     core = make_core(learners=("a",))
     # The very first contributions set the scale: no guard yet, however large.

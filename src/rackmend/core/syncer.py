@@ -73,6 +73,7 @@ __all__ = [
     "MAX_STEP_TIME",
     "GUARD_WINDOW",
     "GUARD_MIN_NORMS",
+    "GUARD_STEPS_CAP",
     "RETIRED_SESSIONS",
 ]
 
@@ -110,6 +111,12 @@ GUARD_MIN_NORMS = 5
 """Nonzero norms a fragment must have seen before the norm guard acts: before that
 there is no scale to compare with, and the first contributions of a run are the
 largest."""
+
+GUARD_STEPS_CAP = 16.0
+"""Most the norm guard's bound grows for a contribution holding more inner steps than
+usual (``c_steps`` over the fragment's median): the first send after an outage carries
+every step made during it and is honestly that much larger, but ``c_steps`` is the
+sender's word, so what a lie can buy is capped at this multiple."""
 
 RETIRED_SESSIONS = 16
 """Per (learner, fragment), how many earlier sessions are remembered so that replays
@@ -367,6 +374,8 @@ class SyncerCore:
         self._harmful_streak = [0] * len(self.fragments)
         self.norms: list[deque[float]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
         """Per fragment, recent nonzero norms of unclipped contributions (the norm guard's scale)."""
+        self.norm_steps: list[deque[int]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
+        """Per fragment, the ``c_steps`` behind those norms (the guard's usual amount of work)."""
         self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
         """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
         self.retired_sessions: dict[tuple[str, int], list[int]] = {}
@@ -508,6 +517,7 @@ class SyncerCore:
             "sequences": [[lid, p, sess, seq, self.retired_sessions.get((lid, p), [])]
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
+            "norm_steps": [list(n) for n in self.norm_steps],
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
             "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
             "epoch": self.epoch,
@@ -561,6 +571,8 @@ class SyncerCore:
             self.retired_sessions[(lid, int(p))] = [int(r) for r in retired]
         for p, norms in enumerate(meta.get("norms", [])[: len(self.fragments)]):
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
+        for p, steps in enumerate(meta.get("norm_steps", [])[: len(self.fragments)]):
+            self.norm_steps[p] = deque((int(x) for x in steps), maxlen=GUARD_WINDOW)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
         for lid, p, v in meta.get("last_merged", []):
@@ -747,30 +759,37 @@ class SyncerCore:
         self.sequences[key] = (c.session, c.seq)
 
     def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
-        """``c``, clipped to ``norm_guard`` x the fragment's median recent norm when above
-        it; None (rejected) when its norm cannot even be computed."""
+        """``c``, clipped to its bound when above it; None (rejected) when its norm cannot
+        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm,
+        times how many more inner steps than usual ``c`` holds (at least 1, at most
+        ``GUARD_STEPS_CAP``): an update's norm grows with the steps behind it."""
         norm = _norm(c.tensors)
         if not math.isfinite(norm):
             self._reject(c, now, "outer gradient norm overflows float64", actions)
             return None
-        window = self.norms[c.fragment]
+        window, steps = self.norms[c.fragment], self.norm_steps[c.fragment]
         factor = self.config.syncer.norm_guard
         if factor > 0 and len(window) >= GUARD_MIN_NORMS:
             median = sorted(window)[len(window) // 2]
-            bound = factor * median
+            usual_steps = sorted(steps)[len(steps) // 2] if steps else 0
+            work = min(GUARD_STEPS_CAP, max(1.0, c.c_steps / usual_steps)) if usual_steps > 0 else 1.0
+            bound = factor * median * work
             if norm > bound:
                 scale = bound / norm
                 actions.append(self._log(
                     now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
-                    bound=bound, action="clipped",
+                    c_steps=c.c_steps, usual_steps=usual_steps, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
-                            f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones: clipped to "
-                            f"{bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
+                            f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
+                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps})" if work > 1 else "")
+                            + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
                 # Clipped values are kept out of the window: otherwise sends just under the
                 # bound, repeated, would ratchet the scale up.
                 return replace(c, tensors=tuple((t.to(torch.float64) * scale).to(t.dtype) for t in c.tensors))
         if norm > 0:  # a zero delta says nothing about the scale
             window.append(norm)
+            if c.c_steps > 0:
+                steps.append(c.c_steps)
         return c
 
     def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
