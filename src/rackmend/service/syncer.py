@@ -745,6 +745,13 @@ class SyncerService:
         if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
             self._event(event, **fields)
 
+    def _auth_denied(self, text: str) -> None:
+        """A refused Curve handshake, from the authenticator's thread. A client with an
+        unknown key retries every reconnect interval, and a stranger can mint keys at
+        will, so refusals share one rate limit, with a count of those left out."""
+        if self._limiter.allow(("auth_denied",), self.clock()):
+            self._event("auth_denied", reason=text)
+
     def _summarise_suppressed(self, expired: list[tuple[Any, int, dict[str, Any]]]) -> None:
         for key, count, fields in expired:
             self._event("suppressed", of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
@@ -893,8 +900,7 @@ class SyncerService:
         public, secret = zmq.auth.load_certificate(s.secret_key_file)
         if secret is None:
             raise ConfigError(f"{s.secret_key_file} holds no secret key; pass the .key_secret file")
-        self._auth = ThreadAuthenticator(
-            self._ctx, log=_AuthLog(lambda text: self._event("auth_denied", reason=text)))  # type: ignore[arg-type]
+        self._auth = ThreadAuthenticator(self._ctx, log=_AuthLog(self._auth_denied))  # type: ignore[arg-type]
         self._auth.start()
         if s.allowed_keys_dir:
             self._key_ids = load_key_ids(s.allowed_keys_dir)
