@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rackmend-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/codecs.py --quick
+
+# Needs a CUDA device (CI has none): CUDA tests and GPU benchmarks, a few minutes.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
