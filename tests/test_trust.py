@@ -152,6 +152,18 @@ def test_guard_allows_for_the_steps_behind_a_send(steps: int, clipped: bool) -> 
         assert guards[0]["c_steps"] == 8 and guards[0]["usual_steps"] == 8 and guards[0]["norm"] == pytest.approx(norm)
 
 
+def test_guard_allows_for_a_base_versions_behind() -> None:
+    # A learner whose updates stop arriving trains on from its old base and sends the
+    # drift since that base every time: one usual period more per version behind.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    median = sorted(core.norms[0])[len(core.norms[0]) // 2]
+    big = torch.full((N,), 1.0)
+    big *= 45 * median / torch.linalg.vector_norm(big).item()  # 45x: over 30, under 30 x 2
+    assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), "guard")
+    assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), "guard")
+
+
 def test_guard_allowance_for_claimed_steps_is_capped() -> None:
     # c_steps is the sender's word: claiming a huge amount of work buys at most
     # GUARD_STEPS_CAP x the usual bound.

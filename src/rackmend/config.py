@@ -183,8 +183,9 @@ class SyncerConfig:
     norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
     ``norm_guard`` x the median norm of the last ``GUARD_WINDOW`` (32) unclipped
-    contributions, times how many more inner steps than usual it holds (1 to
-    ``GUARD_STEPS_CAP`` = 16), is clipped to that bound (logged as ``guard`` with both
+    contributions, times how much more work than usual it holds (its steps over the
+    usual, plus one per version its base is behind; 1 to ``GUARD_STEPS_CAP`` = 64), is
+    clipped to that bound (logged as ``guard`` with both
     norms and both step counts). No guard
     until ``GUARD_MIN_NORMS`` (5) nonzero norms are known. Clipped rather than rejected:
     an honest learner back from a long outage legitimately sends a larger gradient, and

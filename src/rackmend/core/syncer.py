@@ -112,10 +112,10 @@ GUARD_MIN_NORMS = 5
 there is no scale to compare with, and the first contributions of a run are the
 largest."""
 
-GUARD_STEPS_CAP = 16.0
-"""Most the norm guard's bound grows for a contribution holding more inner steps than
-usual (``c_steps`` over the fragment's median): the first send after an outage carries
-every step made during it and is honestly that much larger, but ``c_steps`` is the
+GUARD_STEPS_CAP = 64.0
+"""Most the norm guard's bound grows for a contribution holding more work than usual:
+the first send after an outage carries every step made during it (49x the usual in
+``benchmarks/chaos.py``) and is honestly that much larger, but ``c_steps`` is the
 sender's word, so what a lie can buy is capped at this multiple."""
 
 RETIRED_SESSIONS = 16
@@ -760,9 +760,11 @@ class SyncerCore:
 
     def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
         """``c``, clipped to its bound when above it; None (rejected) when its norm cannot
-        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm,
-        times how many more inner steps than usual ``c`` holds (at least 1, at most
-        ``GUARD_STEPS_CAP``): an update's norm grows with the steps behind it."""
+        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm
+        x the work ``c`` holds in units of the usual: its steps over the usual, plus one
+        usual period per version its base is behind (a learner whose updates stopped
+        arriving sends the drift since its base every time), at least 1 and at most
+        ``GUARD_STEPS_CAP``."""
         norm = _norm(c.tensors)
         if not math.isfinite(norm):
             self._reject(c, now, "outer gradient norm overflows float64", actions)
@@ -772,16 +774,18 @@ class SyncerCore:
         if factor > 0 and len(window) >= GUARD_MIN_NORMS:
             median = sorted(window)[len(window) // 2]
             usual_steps = sorted(steps)[len(steps) // 2] if steps else 0
-            work = min(GUARD_STEPS_CAP, max(1.0, c.c_steps / usual_steps)) if usual_steps > 0 else 1.0
+            behind = self.versions[c.fragment] - c.base_version  # <= max_staleness, checked before
+            work = min(GUARD_STEPS_CAP, (max(1.0, c.c_steps / usual_steps) if usual_steps > 0 else 1.0) + behind)
             bound = factor * median * work
             if norm > bound:
                 scale = bound / norm
                 actions.append(self._log(
                     now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
-                    c_steps=c.c_steps, usual_steps=usual_steps, bound=bound, action="clipped",
+                    c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
                             f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
-                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps})" if work > 1 else "")
+                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps}) on a base "
+                               f"{behind} versions behind" if work > 1 else "")
                             + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
                 # Clipped values are kept out of the window: otherwise sends just under the
                 # bound, repeated, would ratchet the scale up.
