@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rackmend-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 # pytest exits 5 when it collects nothing; that counts as a failure here too.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests that need CUDA (skipped, with the reason, where there is none): device
+# codecs and async TP (a compiled TP MLP step with enable_async_tp on 1-2 GPUs).
+gpu-check: $(STAMP)
+	$(PY) -m pytest -q -rs tests/test_async_tp.py tests/test_codecs.py -k "cuda or gpu"
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
