@@ -24,6 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The tests that need CUDA (skipped, with the reason, where there is none): device
+# codecs and async TP (a compiled TP MLP step with enable_async_tp on 1-2 GPUs).
+gpu-check: $(STAMP)
+	$(PY) -m pytest -q -rs tests/test_async_tp.py tests/test_codecs.py -k "cuda or gpu"
+
 bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
 	$(PY) benchmarks/transport.py --quick

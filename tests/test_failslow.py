@@ -33,6 +33,7 @@ from rackmend.core import (  # noqa: E402
     SyncerCore,
     TensorSpec,
 )
+from rackmend.service.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rackmend.transport import wire  # noqa: E402
 
 
@@ -110,7 +111,7 @@ N = 4
 STEPS = 4  # inner steps per contribution (each learner sends one fragment per round)
 
 
-def make_core(**syncer) -> SyncerCore:
+def make_core(join: bool = True, **syncer) -> SyncerCore:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=1),
         # A grace window of tau (not H - tau) steps: Fleet never ticks, and its rounds stay
@@ -121,7 +122,7 @@ def make_core(**syncer) -> SyncerCore:
                             failslow_advise_after=20, failslow_evict_cost=6.0, **syncer),
     )
     core = SyncerCore(config, [FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))], [[torch.zeros(N)]])
-    for lid in "abc":
+    for lid in "abc" if join else "":
         core.handle(LearnerJoined(lid), 0.0)
     return core
 
@@ -216,6 +217,51 @@ def test_a_slowdown_the_whole_fleet_shares_is_not_fail_slow() -> None:
         fleet.round(fleet=1.5)  # everyone 1.5x: longer sequences, a shared filesystem...
     assert [r for r in fleet.failslow() if r["event"] == "failslow_slow"] == []
     assert core.expected_learners() == {"a", "b", "c"}
+
+
+def test_detector_state_survives_a_syncer_checkpoint(tmp_path: Path) -> None:
+    """Baselines, CUSUMs and the ladder go through a checkpoint file and back: a learner
+    flagged before the restart is still flagged (and not waited for) after its rejoin,
+    and the resumed syncer then reaches the same verdicts as one that never stopped."""
+    core = make_core()
+    fleet = Fleet(core)
+    for _ in range(70):
+        fleet.round()
+    for _ in range(8):
+        fleet.round(factor=2.0)
+    assert core.failslow is not None and core.failslow.is_slow("c")
+    assert core.expected_learners() == {"a", "b"}
+    before = core.failslow.state_dict()
+    save_checkpoint(tmp_path, *core.state_dict())
+    loaded = load_checkpoint(tmp_path)
+    assert loaded is not None
+
+    resumed = make_core(join=False)
+    resumed.load_state_dict(*loaded)
+    assert resumed.failslow is not None and resumed.failslow.state_dict() == before
+    for lid in "abc":  # the learners' hellos to the restarted syncer
+        resumed.handle(LearnerJoined(lid), fleet.now)
+    assert resumed.failslow.state_dict() == before
+    assert resumed.failslow.is_slow("c") and resumed.expected_learners() == {"a", "b"}
+
+    twin = Fleet(resumed)
+    twin.now, twin.step = fleet.now, fleet.step
+    twin.rng.setstate(fleet.rng.getstate())
+    seen = len(fleet.log)
+    for f in (fleet, twin):
+        for _ in range(4):
+            f.round(factor=2.0)
+        for _ in range(30):
+            f.round()
+    after = [r for r in fleet.log[seen:] if r["event"].startswith("failslow_")]
+    assert "failslow_restore" in [r["event"] for r in after]
+    assert [r for r in twin.log if r["event"].startswith("failslow_")] == after
+    assert resumed.expected_learners() == {"a", "b", "c"}
+    assert resumed.failslow.state_dict() == core.failslow.state_dict()
+
+    # A later rejoin (not the first after the restart) starts the learner's baseline anew.
+    resumed.handle(LearnerJoined("c"), twin.now)
+    assert not any(lid == "c" for lid, _ in resumed.failslow.detectors)
 
 
 def test_off_and_deterministic_runs_have_no_detector() -> None:

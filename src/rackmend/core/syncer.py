@@ -393,6 +393,9 @@ class SyncerCore:
             false_alarm_steps=sc.failslow_false_alarm_steps, baseline_steps=sc.failslow_baseline_steps,
             advise_after=sc.failslow_advise_after, evict_cost=sc.failslow_evict_cost)
         """Step-time detectors and the fail-slow ladder (None: off, or deterministic mode)."""
+        self._failslow_resumed: set[str] = set()
+        """Learners whose fail-slow state came from a checkpoint and who have not sent
+        since: their (re)join after a syncer restart keeps that state."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -411,6 +414,7 @@ class SyncerCore:
             m = self.members.get(event.learner_id)
             if self.failslow is not None:
                 self.failslow.forget(event.learner_id)  # a rack that comes back may be another machine
+                self._failslow_resumed.discard(event.learner_id)
             if m is not None:
                 m.connected, m.expected = False, False
                 actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
@@ -523,6 +527,8 @@ class SyncerCore:
             "epoch": self.epoch,
             "lineage": [[e, list(kept)] for e, kept in self.lineage],
         }
+        if self.failslow is not None:
+            meta["failslow"] = self.failslow.state_dict()
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
                 tensors[f"downlink/{name}"] = t
@@ -582,6 +588,14 @@ class SyncerCore:
         self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.get("lineage", [])]
         if "epoch" in meta:
             self.lineage.append((int(meta["epoch"]), [int(v) for v in meta["versions"]]))
+        if self.failslow is not None and "failslow" in meta:
+            # Baselines take hundreds of steps to learn, and a learner flagged slow stays
+            # flagged (not waited for) until its steps are back, across the restart.
+            self.failslow.load_state_dict(meta["failslow"])
+            self._failslow_resumed = {lid for lid, _ in self.failslow.detectors}
+            for lid in self.failslow.cases:
+                if lid in self.members:
+                    self.members[lid].expected = False
         if self.downlink is not None:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
@@ -616,11 +630,12 @@ class SyncerCore:
         return None
 
     def _join(self, lid: str, now: float, actions: list[Action]) -> None:
-        if self.failslow is not None:
+        if self.failslow is not None and lid not in self._failslow_resumed:
             self.failslow.forget(lid)  # expected again below; its baseline is learnt anew
         m = self.members.setdefault(lid, _Member(connected=True, expected=True))
-        m.connected, m.expected = True, True
-        actions.append(self._log(now, "join", learner=lid))
+        # Only a learner flagged before a syncer restart is still slow here: not waited for.
+        m.connected, m.expected = True, not (self.failslow is not None and self.failslow.is_slow(lid))
+        actions.append(self._log(now, "join", learner=lid, expected=m.expected))
         for upd in self.current:
             actions.append(SendUpdate(upd, (lid,)))
 
@@ -1015,6 +1030,7 @@ class SyncerCore:
         """Feed ``c``'s timing to the fail-slow monitor; apply and log the ladder's actions."""
         if self.failslow is None:
             return
+        self._failslow_resumed.discard(c.learner_id)  # sending again: a later join is a new start
         seconds, steps = (c.rank_step_time, c.rank_steps) if c.rank_steps > 0 else (c.step_time, 0)
         ladder = self.failslow.observe(c.learner_id, c.rank, c.step, seconds, steps, len(self.connected_learners()))
         changed = False
