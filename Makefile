@@ -24,17 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The tests that need CUDA (skipped, with the reason, where there is none): device
-# codecs and async TP (a compiled TP MLP step with enable_async_tp on 1-2 GPUs).
-gpu-check: $(STAMP)
-	$(PY) -m pytest -q -rs tests/test_async_tp.py tests/test_codecs.py -k "cuda or gpu"
-
 bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/codecs.py --quick
 
-# Needs a CUDA device (CI has none): CUDA tests and GPU benchmarks, a few minutes.
+# Needs a CUDA device (CI has none), a few minutes: the tests marked cuda (device
+# codecs, CUDA learners, async TP on 1-2 GPUs) and the GPU benchmarks.
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
 

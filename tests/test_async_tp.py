@@ -61,6 +61,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.timeout(600)
 def test_compiled_tp_mlp_step_with_async_tp_on_gpu(tmp_path: Path) -> None:
