@@ -84,8 +84,9 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     a near miss, names the closest."""
     if value in allowed:
         return
-    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    lowered = {a.lower(): a for a in allowed}
+    close = difflib.get_close_matches(str(value).lower(), list(lowered), n=1, cutoff=0.6)
+    hint = f"; did you mean {lowered[close[0]]!r}?" if close else ""
     raise ConfigError(f"{name}={value!r} is not known; set {name} to one of {', '.join(allowed)}{hint}")
 
 
