@@ -108,8 +108,8 @@ class ServiceConfig:
     set this to several heartbeat periods so a busy learner is not dropped."""
 
     max_message_bytes: int | None = field(default=None, metadata={OPTION: "max_message_mb", OPTION_SCALE: 2**20})
-    """Largest message accepted, in bytes (``rackmend syncer`` takes MiB:
-    ``--max-message-mb``); larger ones are rejected (logged, answered). Beyond twice this
+    """Largest message accepted: bytes here, MiB as ``rackmend syncer --max-message-mb``;
+    larger ones are rejected (logged, answered). Beyond twice this
     ZeroMQ drops the sender's connection before reading the message into memory.
     None: follow the model, its largest fragment plus the header bound (with
     ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap stays at
@@ -260,7 +260,11 @@ class _Pending:
 
 
 class SyncerService:
-    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread)."""
+    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread).
+
+    ``config`` holds the run's settings on the syncer's side; of its schedule only
+    ``overlap`` counts. H, P and the apply rule are the learners': the first learner's
+    hello sets them for the run (a ``RackmendConfig``'s ``learner`` part is not read)."""
 
     def __init__(self, config: RunConfig, service: ServiceConfig,
                  *, clock: Callable[[], float] = time.monotonic) -> None:
