@@ -15,9 +15,9 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import textwrap
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Literal, Self
 
 import torch
@@ -114,21 +114,26 @@ def _check_choices(config: Any) -> None:
 
 
 @functools.cache
+def _top_level_classes(filename: str) -> dict[str, ast.ClassDef]:
+    tree = ast.parse(Path(filename).read_text(encoding="utf-8"), filename)
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> its docstring (the string literal under the field in the class body,
-    dedented), for dataclass ``cls`` and the dataclasses it inherits from. Read once from
-    the source, so the text stays where a reader of the class sees it."""
+    dedented), for dataclass ``cls`` and the dataclasses it inherits from. Read from the
+    source (each module parsed once), so the text stays where a reader of the class sees
+    it; ``cls`` must be defined at the top level of its module."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass) or klass is object:
+        if not dataclasses.is_dataclass(klass):
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError) as exc:  # no source shipped (a frozen or .pyc-only install)
-            raise RuntimeError(f"cannot read the field docstrings of {klass.__qualname__}: {exc}") from exc
-        body = ast.parse(source).body[0]
-        assert isinstance(body, ast.ClassDef)
-        for stmt, nxt in zip(body.body, body.body[1:]):
+        filename = inspect.getsourcefile(klass)
+        node = _top_level_classes(filename).get(klass.__name__) if filename else None
+        if node is None:  # no source shipped (a frozen or .pyc-only install), or a nested class
+            raise RuntimeError(f"cannot read the field docstrings of {klass.__qualname__}: no source for it")
+        for stmt, nxt in zip(node.body, node.body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                     and isinstance(nxt.value.value, str)):
