@@ -42,6 +42,7 @@ from rackmend.config import (
     SyncerConfig,
     check_choice,
     field_docs,
+    literal_choices,
 )
 from rackmend.service.syncer import ServiceConfig
 
@@ -179,6 +180,9 @@ class Option:
 def _options(owner: type, only: tuple[str, ...] | None) -> list[Option]:
     hints = typing.get_type_hints(owner)
     docs = field_docs(owner)
+    missing = set(only or ()) - set(hints)
+    if missing:
+        raise TypeError(f"SECTIONS names {sorted(missing)}, which {owner.__name__} does not have")
     out = []
     for f in dataclasses.fields(owner):
         if only is not None and f.name not in only:
@@ -186,7 +190,7 @@ def _options(owner: type, only: tuple[str, ...] | None) -> list[Option]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
         scale = f.metadata.get(OPTION_SCALE)
         kind = "float" if scale is not None else _kind(owner, f.name, hints[f.name])
-        choices = typing.get_args(hints[f.name]) if kind == "choice" else None
+        choices = literal_choices(owner)[f.name] if kind == "choice" else None
         if f.name not in docs:
             raise TypeError(f"{owner.__name__}.{f.name} has no docstring: it is an option's help text")
         out.append(Option(name=f.metadata.get(OPTION, f.name), owner=owner, field=f.name, kind=kind,
@@ -284,7 +288,10 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         log.warning("%s", warning)
     file_values: dict[str, Any] = {}
     if args.config is not None:
-        file_values = tomllib.loads(args.config.read_text())
+        try:
+            file_values = tomllib.loads(args.config.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
         keys = [o.name for o in OPTIONS] + ["no_" + o.name for o in OPTIONS if o.negatable]
         unknown = sorted(set(file_values) - set(keys))
         if unknown:
