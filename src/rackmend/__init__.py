@@ -18,6 +18,7 @@ from rackmend.config import (
     CompressionConfig,
     LearnerConfig,
     RackmendConfig,
+    RunConfig,
     ScheduleConfig,
     SyncerConfig,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "CompressionConfig",
     "LearnerConfig",
     "RackmendConfig",
+    "RunConfig",
     "ScheduleConfig",
     "SyncerConfig",
     "FailSlowReport",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import math
 import json
-import dataclasses
 import logging
 import secrets
 import signal
@@ -31,7 +30,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from rackmend.config import ConfigError, RackmendConfig, ScheduleConfig
+from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.failslow import AdviseLearner
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
@@ -87,15 +86,15 @@ class ServiceConfig:
     insecure: bool = False
     """Allow a non-loopback bind without CurveZMQ (traffic unauthenticated and in clear)."""
 
-    secret_key_file: str | None = None
+    secret_key_file: str | None = field(default=None, metadata={OPTION: "secret_key"})
     """The syncer's ``.key_secret`` file from ``rackmend keygen``; turns CurveZMQ on."""
 
-    allowed_keys_dir: str | None = None
-    """Directory of learners' public ``.key`` files; only those may connect (needs
-    ``secret_key_file``)."""
+    allowed_keys_dir: str | None = field(default=None, metadata={OPTION: "allowed_keys"})
+    """Directory of learners' public ``.key`` files; only those may connect (needs the
+    syncer's secret key, ``secret_key_file``)."""
 
     checkpoint_dir: str | None = None
-    """Where checkpoints go; None disables them."""
+    """Directory checkpoints are written to; unset (None): no checkpoints."""
 
     checkpoint_every: int = 50
     """Write a checkpoint every this many merges (and always on SIGTERM/SIGINT)."""
@@ -108,8 +107,9 @@ class ServiceConfig:
     rounds stop waiting for it. Learners send heartbeats every second by default;
     set this to several heartbeat periods so a busy learner is not dropped."""
 
-    max_message_bytes: int | None = None
-    """Messages larger than this are rejected (logged, answered); beyond twice this
+    max_message_bytes: int | None = field(default=None, metadata={OPTION: "max_message_mb", OPTION_SCALE: 2**20})
+    """Largest message accepted: bytes here, MiB as ``rackmend syncer --max-message-mb``;
+    larger ones are rejected (logged, answered). Beyond twice this
     ZeroMQ drops the sender's connection before reading the message into memory.
     None: follow the model, its largest fragment plus the header bound (with
     ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap stays at
@@ -124,8 +124,8 @@ class ServiceConfig:
     impersonate a live learner. A restarted learner process waits this long at most;
     keep it above a few heartbeat periods of the learners (1 s by default)."""
 
-    log_path: str | None = None
-    """JSONL file of every event (merges, joins, rejections); None: not written."""
+    log_path: str | None = field(default=None, metadata={OPTION: "log"})
+    """JSONL file of every event (merges, joins, rejections); unset (None): not written."""
 
     init_timeout: float = 60.0
     """Seconds a fresh syncer waits for the next initial value (``init``) from the
@@ -139,6 +139,11 @@ class ServiceConfig:
     the most log records per 10 s; the rest are counted in one ``suppressed`` record per
     window, so a junk flood cannot fill the disk. Raise it to see every rejection of
     one misbehaving learner."""
+
+    ready_file: str | None = None
+    """Once the socket is bound and the loop serves, the bound endpoint is written to
+    this file (atomically: a reader never sees half of it), for scripts that start the
+    syncer on port 0. None: not written."""
 
     def validate(self) -> None:
         if self.log_burst < 1:
@@ -255,9 +260,13 @@ class _Pending:
 
 
 class SyncerService:
-    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread)."""
+    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread).
 
-    def __init__(self, config: RackmendConfig, service: ServiceConfig,
+    ``config`` holds the run's settings on the syncer's side; of its schedule only
+    ``overlap`` counts. H, P and the apply rule are the learners': the first learner's
+    hello sets them for the run (a ``RackmendConfig``'s ``learner`` part is not read)."""
+
+    def __init__(self, config: RunConfig, service: ServiceConfig,
                  *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.service = service
@@ -331,6 +340,10 @@ class SyncerService:
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
         self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch)
+        if self.service.ready_file:
+            tmp = Path(self.service.ready_file + ".tmp")
+            tmp.write_text(self.endpoint, encoding="utf-8")
+            tmp.replace(self.service.ready_file)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:
@@ -656,12 +669,14 @@ class SyncerService:
         """The core, with the run's H, P, tau and apply rule taken from the learner that
         set them (the syncer has no value of its own for H, P and the apply rule, and
         its grace window depends on them)."""
-        config = self.config
+        run = self.config
+        schedule, learner = run.schedule, LearnerConfig()
         if settings is not None:
-            config = config.replace(
-                schedule=ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
-                                        overlap=config.schedule.overlap),
-                learner=dataclasses.replace(config.learner, apply=settings.apply))
+            schedule = ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
+                                      overlap=run.schedule.overlap)
+            learner = LearnerConfig(apply=settings.apply)
+        config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
+                                deterministic=run.deterministic, learner=learner)
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
