@@ -93,6 +93,10 @@ OPTIONS: tuple[Option, ...] = (
            "counted in one 'suppressed' record", "service"),
     Option("init_timeout", float, 60.0, "seconds the first learner may take per initial fragment before "
            "another waiting learner is asked to seed the model", "service"),
+    Option("metrics_port", int, 0, "serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: off; "
+           "docs/operations.md lists them)", "service"),
+    Option("metrics_host", str, "127.0.0.1", "address of the metrics endpoint (unauthenticated: another than "
+           "loopback is warned about)", "service"),
     Option("ready_file", str, None, "write the bound endpoint here once listening (for scripts)", "run"),
     Option("overlap", int, 2, "tau of the learners (used by the grace window); a learner with another "
            "tau is refused", "schedule"),
@@ -213,6 +217,7 @@ def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
         heartbeat_timeout=values["heartbeat_timeout"], takeover_after=values["takeover_after"],
         max_message_bytes=None if values["max_message_mb"] is None else int(values["max_message_mb"] * 2**20),
         log_path=values["log"], init_timeout=values["init_timeout"], log_burst=values["log_burst"],
+        metrics_port=values["metrics_port"], metrics_host=values["metrics_host"],
     )
     return config, service
 
@@ -229,6 +234,8 @@ def syncer_main(args: argparse.Namespace) -> int:
         print(f"rackmend syncer: {exc}", file=sys.stderr)
         return 2
     print(f"rackmend syncer listening on {svc.endpoint}", flush=True)
+    if svc.metrics_url:
+        print(f"rackmend syncer metrics on {svc.metrics_url}", flush=True)
     if values["ready_file"]:
         tmp = Path(values["ready_file"] + ".tmp")
         tmp.write_text(svc.endpoint)
