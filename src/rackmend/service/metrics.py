@@ -187,6 +187,12 @@ class SyncerMetrics:
         if m["grace_s"] is not None:
             self.grace_window.set(m["grace_s"])
 
+    def versions(self, versions: Iterable[int]) -> None:
+        """The fragments' versions when the core starts (fresh, or from a checkpoint)."""
+        for p, v in enumerate(versions):
+            self.merges.labels(str(p))  # present at 0 from the start
+            self.fragment_version.labels(str(p)).set(v)
+
     def failslow(self, action: FailSlowAction) -> None:
         """One rung of the core's fail-slow ladder."""
         self.failslow_events.labels(_FAILSLOW_EVENTS[type(action)]).inc()

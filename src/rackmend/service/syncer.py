@@ -692,6 +692,7 @@ class SyncerService:
                                         overlap=config.schedule.overlap),
                 learner=dataclasses.replace(config.learner, apply=settings.apply))
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        self.metrics.versions(self.core.versions)
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
@@ -922,6 +923,7 @@ class SyncerService:
         self._start_core(layout, values, None if self._first is None else self._first[1])
         assert self.core is not None
         self.core.load_state_dict(tensors, meta)
+        self.metrics.versions(self.core.versions)
         self.merges = int(meta.get("merges", 0))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
         self._event("resumed", versions=list(self.core.versions))
