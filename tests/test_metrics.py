@@ -6,50 +6,28 @@ file (skipped without the ``tensorboard`` package)."""
 
 from __future__ import annotations
 
+import argparse
 import math
-import socket
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.cli import add_syncer_arguments, build, resolve
 from rackmend.service.metrics import is_loopback_host
 from rackmend.service.syncer import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import Dealer, make_inner, make_model, serving, train
+from helpers import Dealer, free_port, make_inner, make_model, metric, scrape, serving, train
 from procs import Procs, events, progress, wait_for
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(url: str) -> Samples:
-    """Every sample of one scrape, by (name, sorted labels), read with prometheus-client's parser."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
-
 
 def merges_logged(tmp: Path) -> int:
     return sum(1 for e in events(tmp) if e["event"] == "merge")
@@ -91,32 +69,32 @@ def test_metrics_move_during_a_live_run_and_count_refusals_by_reason(procs: Proc
     first = scrape(url)
     logged_after = merges_logged(tmp_path)
     # Merges go on while the scrape crosses: the counter lies between the log before and after.
-    assert logged_before <= value(first, "rackmend_merges_total") <= logged_after
+    assert logged_before <= metric(first, "rackmend_merges_total") <= logged_after
     assert logged_after > 0
     for lid in learners:
-        assert value(first, "rackmend_learner_connected", learner=lid) == 1
-        assert value(first, "rackmend_contributions_total", learner=lid) > 0
-        assert 0 < value(first, "rackmend_learner_step_seconds", learner=lid) < 5
-        assert value(first, "rackmend_learner_version_lag", learner=lid) >= 0
-        assert value(first, "rackmend_learner_failslow_state", learner=lid) == 0
-        assert value(first, "rackmend_received_bytes_total", learner=lid) > 0
-        assert value(first, "rackmend_sent_bytes_total", learner=lid) > 0
+        assert metric(first, "rackmend_learner_connected", learner=lid) == 1
+        assert metric(first, "rackmend_contributions_total", learner=lid) > 0
+        assert 0 < metric(first, "rackmend_learner_step_seconds", learner=lid) < 5
+        assert metric(first, "rackmend_learner_version_lag", learner=lid) >= 0
+        assert metric(first, "rackmend_learner_failslow_state", learner=lid) == 0
+        assert metric(first, "rackmend_received_bytes_total", learner=lid) > 0
+        assert metric(first, "rackmend_sent_bytes_total", learner=lid) > 0
     # Each merge observes these once (read apart from the counter: merges go on in between).
     for name in ("rackmend_round_duration_seconds_count", "rackmend_merge_participants_count",
                  "rackmend_merge_compute_seconds_count"):
-        assert value(first, name) > 0, name
+        assert metric(first, name) > 0, name
 
-    wait_for(lambda: value(scrape(url), "rackmend_merges_total") > value(first, "rackmend_merges_total") + 4, 60,
+    wait_for(lambda: metric(scrape(url), "rackmend_merges_total") > metric(first, "rackmend_merges_total") + 4, 60,
              "more merges in the metrics", (proc, *learners.values()))
     second = scrape(url)
     for name in ("rackmend_received_bytes_total", "rackmend_sent_bytes_total"):
         for lid in learners:
-            assert value(second, name, learner=lid) > value(first, name, learner=lid), (name, lid)
+            assert metric(second, name, learner=lid) > metric(first, name, learner=lid), (name, lid)
     for p in range(P):
-        assert value(second, "rackmend_fragment_version", fragment=str(p)) >= \
-            value(first, "rackmend_fragment_version", fragment=str(p)) > 0
-    assert value(second, "rackmend_checkpoints_total") >= 1
-    assert 0 <= value(second, "rackmend_checkpoint_age_seconds") < 60
+        assert metric(second, "rackmend_fragment_version", fragment=str(p)) >= \
+            metric(first, "rackmend_fragment_version", fragment=str(p)) > 0
+    assert metric(second, "rackmend_checkpoints_total") >= 1
+    assert 0 <= metric(second, "rackmend_checkpoint_age_seconds") < 60
 
     # A learner that joins properly, then claims 1e200 tokens for one contribution (under
     # tokens_sq_per_step it would take the whole merge weight): refused by the core's bounds.
@@ -135,9 +113,9 @@ def test_metrics_move_during_a_live_run_and_count_refusals_by_reason(procs: Proc
     rejects = [e for e in events(tmp_path) if e["event"] == "reject" and e["learner"] == "mallory"]
     assert [e["code"] for e in rejects] == ["bounds"], rejects
     third = scrape(url)
-    assert value(third, "rackmend_contributions_rejected_total", reason="bounds") == 1
-    assert value(third, "rackmend_messages_rejected_total", reason="bad_message") == 1
-    assert value(third, "rackmend_learner_connected", learner="mallory") == 1
+    assert metric(third, "rackmend_contributions_rejected_total", reason="bounds") == 1
+    assert metric(third, "rackmend_messages_rejected_total", reason="bad_message") == 1
+    assert metric(third, "rackmend_learner_connected", learner="mallory") == 1
 
 
 def test_metrics_port_in_use_fails_at_start_and_two_syncers_keep_their_own_counts() -> None:
@@ -156,8 +134,8 @@ def test_metrics_port_in_use_fails_at_start_and_two_syncers_keep_their_own_count
             reply = bad.recv_type("error", 20)
             bad.close()
             assert reply is not None and reply["code"] == "bad_message", reply
-            assert value(scrape(str(second.metrics_url)), "rackmend_messages_rejected_total", reason="bad_message") == 1
-            assert value(scrape(str(first.metrics_url)), "rackmend_messages_rejected_total") == 0
+            assert metric(scrape(str(second.metrics_url)), "rackmend_messages_rejected_total", reason="bad_message") == 1
+            assert metric(scrape(str(first.metrics_url)), "rackmend_messages_rejected_total") == 0
         finally:
             second.stop()
             second_thread.join(20)
@@ -169,6 +147,22 @@ def test_metrics_port_in_use_fails_at_start_and_two_syncers_keep_their_own_count
     for bad_port in (-1, 70000):
         with pytest.raises(ConfigError, match="metrics_port"):
             ServiceConfig(metrics_port=bad_port)
+
+
+def test_metrics_options_come_from_flags_environment_and_file(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_syncer_arguments(parser)
+    toml = tmp_path / "syncer.toml"
+    toml.write_text('metrics_port = 9100\nmetrics_host = "::1"\n')
+    _, service = build(resolve(parser.parse_args(["--config", str(toml)]), {}))
+    assert (service.metrics_port, service.metrics_host) == (9100, "::1")
+    _, service = build(resolve(parser.parse_args(["--config", str(toml), "--metrics-port", "9200"]),
+                               {"RACKMEND_METRICS_PORT": "9300", "RACKMEND_METRICS_HOST": "localhost"}))
+    assert (service.metrics_port, service.metrics_host) == (9200, "localhost")
+    _, service = build(resolve(parser.parse_args([]), {}))
+    assert (service.metrics_port, service.metrics_host) == (0, "127.0.0.1")  # off by default
+    with pytest.raises(ConfigError, match="RACKMEND_METRICS_PORT"):
+        resolve(parser.parse_args([]), {"RACKMEND_METRICS_PORT": "ninety"})
     # Addresses warned about when metrics are served on them (served without authentication).
     assert [is_loopback_host(h) for h in ("127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "", "host.example")] \
         == [True, True, True, True, False, False, False]
