@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from failslow import windows  # noqa: E402
 
+from helpers import free_port, metric, scrape  # noqa: E402
 from procs import events, wait_for  # noqa: E402
 from rackmend import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig  # noqa: E402
 from rackmend.core import (  # noqa: E402
@@ -316,7 +317,9 @@ def test_contribution_rank_timing_round_trips_and_old_messages_stay_valid() -> N
 def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path: Path) -> None:
     flags = ["--learners", "l0,l1", "--failslow-baseline-steps", "64", "--failslow-min-steps", "8",
              "--failslow-advise-after", "0", "--grace-max", "0.5"]
-    syncer, endpoint = procs.syncer(*flags)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    syncer, endpoint = procs.syncer(*flags, "--metrics-port", str(port))
     common = ["--step-sleep", "0.03", "--learners", "l0,l1"]
     fast = procs.learner(endpoint, "l0", "--steps", "320", *common)
     slow = procs.learner(endpoint, "l1", "--steps", "320", *common, "--slow-from", "120", "--slow-until", "200",
@@ -334,12 +337,20 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
     wait_for(injected, 60, "the slow learner to be flagged", alive)
     flag = injected()[0]
     assert flag["learner"] == "l1" and flag["rank"] == 0, flag
+    # The slow window lasts 80 steps (7 s or more): the metrics show l1 as slow meanwhile.
+    wait_for(lambda: metric(scrape(url), "rackmend_learner_failslow_state", learner="l1") == 1, 30,
+             "the metrics to show l1 as slow", alive)
     # The fast learner may finish first (it has no slow window to sit out).
     wait_for(lambda: [e for e in named("failslow_restore") if e["t"] > flag["t"]], 60,
              "the slow learner to be restored", (syncer, slow))
     assert [e["learner"] for e in named("failslow_restore") if e["t"] > flag["t"]][0] == "l1"
     for p in (fast, slow):
         assert p.wait(60) == 0
+    wait_for(lambda: metric(scrape(url), "rackmend_learner_connected") == 0, 30, "both leaves in the metrics")
+    final = scrape(url)  # nothing happens any more: every ladder step counted equals the log's
+    for kind in ("blip", "slow", "advise", "evict", "restore"):
+        assert metric(final, "rackmend_failslow_events_total", event=kind) == len(named(f"failslow_{kind}")), kind
+    assert metric(final, "rackmend_learner_failslow_state") == 0  # both left: their cases are closed
     out = procs.output("l1")
     assert "the syncer reports rank 0 fail-slow: 2." in out or "the syncer reports rank 0 fail-slow: 3." in out, out
     assert "back at normal speed" in out

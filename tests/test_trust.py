@@ -75,7 +75,7 @@ def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field
     rejected = events(core.handle(bad, 0.0), "reject")
     core.handle(contrib("a", torch.full((N,), 1.0)), 0.1)
     actions = core.handle(Tick(), 5.0)
-    assert rejected and "bound" in rejected[0]["reason"], rejected
+    assert rejected and "bound" in rejected[0]["reason"] and rejected[0]["code"] == "bounds", rejected
     (m,) = events(actions, "merge")
     assert m["merged"] == ["a"]
     assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
@@ -352,7 +352,7 @@ def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-
         f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
         "a replay was merged too")
     replays = [r for r in records if r["event"] == "reject" and "replay" in r["reason"]]
-    assert len(replays) == 2
+    assert len(replays) == 2 and {r["code"] for r in replays} == {"replay"}
 
 
 @pytest.mark.parametrize("field,value", [("c_tokens", 1e200), ("c_tokens", float(2**63 - 1)),

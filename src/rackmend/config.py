@@ -438,8 +438,16 @@ class LearnerConfig:
     started well before the syncer, or when the first learner's initial upload over a
     slow link takes longer (every learner waits for it)."""
 
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars of this learner here (merges applied, staleness, time
+    blocked, bytes sent and received; docs/operations.md, "Metrics"), one event file per
+    process (ranks of a multi-rank learner in ``rank<N>`` subdirectories). Needs the
+    optional ``tensorboard`` package (``pip install tensorboard``); None: nothing written."""
+
     def validate(self) -> None:
         _check_choices(self)
+        _check(self.tensorboard_dir is None or bool(str(self.tensorboard_dir).strip()),
+               "tensorboard_dir is empty; give a directory, or None for no TensorBoard scalars")
         _check(0 <= self.mix_alpha <= 1, f"mix_alpha must lie in [0, 1], got {self.mix_alpha}")
         _check(self.wait_timeout > 0, f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
         _check(self.tokens_per_step is None or self.tokens_per_step > 0,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence, Union
+from typing import Any, Literal, Sequence, Union, get_args
 
 import torch
 
@@ -65,6 +65,8 @@ __all__ = [
     "Action",
     "Ema",
     "WARNING_EVENTS",
+    "RejectCode",
+    "REJECT_CODES",
     "TOKEN_UNITS_RATIO",
     "HARMFUL_STREAK",
     "HARMFUL_LOSS",
@@ -80,6 +82,19 @@ __all__ = [
 WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped", "failslow_slow",
                             "failslow_evict"})
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
+
+RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
+                     "non_finite", "replay", "norm_overflow"]
+"""Why a contribution was refused, as a fixed word (the ``code`` of a ``reject`` record,
+beside its ``reason`` sentence): what metrics count by, since a sentence names values.
+unknown_fragment, not_joined; layout (tensors unlike the fragment's); counters
+(negative or NaN) and bounds (beyond ``MAX_*``); epoch (based on a value of another
+syncer run); ahead (a base version the syncer never made); stale (more than
+``max_staleness`` versions behind); non_finite; replay (or an older send than one
+accepted); norm_overflow."""
+
+REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
+"""Every ``RejectCode``, in order."""
 
 TOKEN_UNITS_RATIO = 10.0
 """A learner whose tokens per step differ from the other learners' median by this factor
@@ -639,54 +654,55 @@ class SyncerCore:
         for upd in self.current:
             actions.append(SendUpdate(upd, (lid,)))
 
-    def _reject(self, c: Contribution, now: float, reason: str, actions: list[Action]) -> None:
+    def _reject(self, c: Contribution, now: float, code: RejectCode, reason: str, actions: list[Action]) -> None:
         self.rejected += 1
         actions.append(
-            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, reason=reason)
+            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, code=code, reason=reason)
         )
 
     def _accept(self, c: Contribution, now: float, actions: list[Action]) -> int | None:
         p = c.fragment
         if not 0 <= p < len(self.fragments):
-            self._reject(c, now, f"unknown fragment {p}", actions)
+            self._reject(c, now, "unknown_fragment", f"unknown fragment {p}", actions)
             return None
         if c.learner_id not in self.members or not self.members[c.learner_id].connected:
-            self._reject(c, now, "learner has not joined", actions)
+            self._reject(c, now, "not_joined", "learner has not joined", actions)
             return None
         problem = self._check_tensors(self.fragments[p], c.tensors)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "layout", problem, actions)
             return None
         if c.c_steps < 0 or c.c_tokens < 0 or not c.step_time >= 0:
-            self._reject(c, now, "negative or NaN counters", actions)
+            self._reject(c, now, "counters", "negative or NaN counters", actions)
             return None
         problem = self._check_bounds(c)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "bounds", problem, actions)
             return None
         version = self.versions[p]
         if not self._holds(c.base_epoch, p, c.base_version):
             self._reject(
-                c, now, f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), which "
-                f"this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
+                c, now, "epoch", f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), "
+                f"which this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
                 f"another training run; the learner is sent the current value (version {version})", actions)
             actions.append(SendUpdate(self.current[p], (c.learner_id,), reset=True))
             return None
         if c.base_version > version:
-            self._reject(c, now, f"base version {c.base_version} is ahead of the syncer's {version}", actions)
+            self._reject(c, now, "ahead", f"base version {c.base_version} is ahead of the syncer's {version}",
+                         actions)
             return None
         if version - c.base_version > self.config.syncer.max_staleness:
             self._reject(
-                c, now, f"stale: base version {c.base_version}, current {version}, "
+                c, now, "stale", f"stale: base version {c.base_version}, current {version}, "
                 f"max_staleness {self.config.syncer.max_staleness}", actions,
             )
             return None
         if not all(_finite(t) for t in c.tensors):
-            self._reject(c, now, "non-finite values (NaN or Inf)", actions)
+            self._reject(c, now, "non_finite", "non-finite values (NaN or Inf)", actions)
             return None
         problem = self._check_sequence(c)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "replay", problem, actions)
             return None
         guarded = self._guard(c, now, actions)
         if guarded is None:
@@ -782,7 +798,7 @@ class SyncerCore:
         ``GUARD_STEPS_CAP``."""
         norm = _norm(c.tensors)
         if not math.isfinite(norm):
-            self._reject(c, now, "outer gradient norm overflows float64", actions)
+            self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
         window, steps = self.norms[c.fragment], self.norm_steps[c.fragment]
         factor = self.config.syncer.norm_guard

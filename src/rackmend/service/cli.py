@@ -389,6 +389,8 @@ def syncer_main(args: argparse.Namespace) -> int:
         print(f"rackmend syncer: {exc}", file=sys.stderr)
         return 2
     print(f"rackmend syncer listening on {svc.endpoint}", flush=True)
+    if svc.metrics_url:
+        print(f"rackmend syncer metrics on {svc.metrics_url}", flush=True)
     svc.serve()
     return 0
 

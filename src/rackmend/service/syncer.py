@@ -7,6 +7,10 @@ the bytes' format and validation in ``rackmend.transport.wire``.
 One thread, one loop: poll the socket until the next grace deadline, heartbeat
 check or stop request, feed what arrived to the core, carry out its actions.
 
+It feeds the syncer's Prometheus metrics (``rackmend.service.metrics``) from the
+core's actions and records and from what it measures itself, and serves them on
+``metrics_port`` when set.
+
 It also answers read-only ``status`` requests (``rackmend status``) from what it
 tracks per learner (ranks, state, bytes, step time, version lag) and per fragment;
 such a client passes the same Curve authentication as a learner but never becomes a
@@ -15,7 +19,6 @@ member of a round.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import json
 import logging
@@ -32,7 +35,7 @@ import zmq
 
 from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
-from rackmend.core.failslow import AdviseLearner
+from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -49,6 +52,7 @@ from rackmend.core.syncer import (
 )
 from rackmend.service.checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from rackmend.service.identity import EventLimiter, load_key_ids
+from rackmend.service.metrics import SyncerMetrics, is_loopback_host
 from rackmend.transport import wire
 from rackmend.transport.outbox import SHORT_HWM, Outbox
 
@@ -145,7 +149,21 @@ class ServiceConfig:
     this file (atomically: a reader never sees half of it), for scripts that start the
     syncer on port 0. None: not written."""
 
+    metrics_port: int = 0
+    """TCP port of the Prometheus endpoint (``http://HOST:PORT/metrics``); 0: none.
+    ``docs/operations.md`` lists the metrics."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on. Metrics are served without
+    authentication: keep the loopback default and scrape from this machine, or put a
+    firewall in front (a warning is logged for any other address)."""
+
     def validate(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics endpoint; got "
+                              f"{self.metrics_port} (--metrics-port)")
+        if not self.metrics_host.strip():
+            raise ConfigError("metrics_host is empty; give an address such as 127.0.0.1 (--metrics-host)")
         if self.log_burst < 1:
             raise ConfigError(f"log_burst must be >= 1 records per window, got {self.log_burst}")
         if not self.init_timeout > 0:
@@ -177,13 +195,8 @@ class ServiceConfig:
 def _is_loopback(endpoint: str) -> bool:
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
-    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', interface names, host names: not provably loopback
+    # '*', interface names, host names: not provably loopback
+    return is_loopback_host(endpoint.split("://", 1)[-1].rsplit(":", 1)[0])
 
 
 class _AuthLog:
@@ -271,6 +284,8 @@ class SyncerService:
         self.config = config
         self.service = service
         self.clock = clock
+        self.metrics = SyncerMetrics(clock)
+        """Counted whether or not they are served (``metrics_port``)."""
         self.core: SyncerCore | None = None
         self.peers: dict[bytes, _Peer] = {}
         self.rejected_messages = 0
@@ -326,6 +341,14 @@ class SyncerService:
         self._setup_curve()
         self.sock.bind(service.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.metrics_url: str | None = None
+        """Where ``/metrics`` is served; None without ``metrics_port``."""
+        if service.metrics_port:
+            try:
+                self.metrics_url = self.metrics.serve(service.metrics_host, service.metrics_port)
+            except ConfigError:
+                self.sock.close(linger=0)
+                raise
 
     # ------------------------------------------------------------------ running
     def serve(self) -> None:
@@ -339,7 +362,8 @@ class SyncerService:
                 self._event("checkpoint_tmp_removed", paths=[str(p) for p in removed])
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
-        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch)
+        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch,
+                    metrics=self.metrics_url)
         if self.service.ready_file:
             tmp = Path(self.service.ready_file + ".tmp")
             tmp.write_text(self.endpoint, encoding="utf-8")
@@ -399,10 +423,13 @@ class SyncerService:
             self._peer_event(ident, "bad_message", peer=ident.hex(), reason=str(exc))
             self._reply_error(ident, "bad_message", str(exc))
         finally:
-            stats = self._stats.get(msg.header.get("learner", "")) if msg is not None else None
+            lid = msg.header.get("learner", "") if msg is not None else ""
+            stats = self._stats.get(lid)
+            nbytes = _nbytes(body)
             if stats is not None:  # only ids that passed a hello: a stranger cannot grow this table
-                stats.bytes_in += _nbytes(body)
+                stats.bytes_in += nbytes
                 stats.last_seen = self.clock()
+            self.metrics.received(lid if stats is not None else None, nbytes)
 
     def _answer_status(self, ident: bytes, msg: wire.Message) -> None:
         """Read-only: answered from the current state, the asker never becomes a peer
@@ -500,6 +527,7 @@ class SyncerService:
         stats.contributions += 1
         stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
         stats.based[p] = (contribution.base_version, self.core.versions[p] - contribution.base_version)
+        self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
         self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message) -> None:
@@ -537,6 +565,7 @@ class SyncerService:
                         silent_s=round(self.clock() - holder[1].last_seen, 3))
         self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock())
         stats.state = "connected"
+        self.metrics.joined(lid)
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
@@ -678,6 +707,7 @@ class SyncerService:
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        self.metrics.versions(self.core.versions)
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
@@ -688,6 +718,8 @@ class SyncerService:
         assert self.core is not None
         t0 = self.clock()
         merged: list[int] = []
+        if isinstance(event, LearnerLeft):
+            self.metrics.left(event.learner_id)
         for action in self.core.handle(event, t0):
             if isinstance(action, SendUpdate):
                 frames = None
@@ -697,6 +729,7 @@ class SyncerService:
                         self._send_update(ident, action.update, frames, reset=action.reset)
             elif isinstance(action, LogRecord):
                 record = action.record
+                self.metrics.record(record)  # before the log's rate limit: metrics count every one
                 if record["event"] != "reject" or self._limiter.allow(("reject", record["learner"]), t0,
                                                                       learner=record["learner"]):
                     self._record(record)
@@ -712,11 +745,15 @@ class SyncerService:
                         "t": action.record["t"], "version": action.record["version"],
                         "merged": list(action.record["merged"])}
             elif isinstance(action, AdviseLearner):
+                self.metrics.failslow(action)
                 frames = wire.fail_slow_frames(action.report)
                 for ident in self._ranks_of(action.report.learner):  # every rank: any may act on it
                     self._send(ident, list(frames))
+            elif isinstance(action, (FailSlowBlip, StopExpecting, MarkForEviction, RestoreLearner)):
+                self.metrics.failslow(action)  # the core applied it to membership already
         if merged:
             seconds = (self.clock() - t0) / len(merged)
+            self.metrics.merge_compute([seconds] * len(merged))
             for p in merged:
                 self.core.handle(SyncTimed(p, seconds), self.clock())
             before = self.merges // self.service.checkpoint_every
@@ -756,14 +793,18 @@ class SyncerService:
         self._send(ident, wire.encode({"type": "error", "code": code, "reason": reason}), droppable=True)
 
     def _peer_event(self, ident: bytes, event: str, **fields: Any) -> None:
-        """A record of bad input from one connection, rate-limited per connection and kind."""
+        """A record of bad input from one connection, rate-limited per connection and kind
+        (counted in the metrics, by ``event``, whether logged or not)."""
+        self.metrics.refusal(event)
         if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
             self._event(event, **fields)
 
     def _auth_denied(self, text: str) -> None:
         """A refused Curve handshake, from the authenticator's thread. A client with an
         unknown key retries every reconnect interval, and a stranger can mint keys at
-        will, so refusals share one rate limit, with a count of those left out."""
+        will, so refusals share one rate limit, with a count of those left out (all are
+        counted in the metrics)."""
+        self.metrics.refusal("auth_denied")
         if self._limiter.allow(("auth_denied",), self.clock()):
             self._event("auth_denied", reason=text)
 
@@ -788,12 +829,15 @@ class SyncerService:
         box = self._outboxes.get(ident)
         if box is None:
             return
-        stats = self._stats.get(self._ident_learner.get(ident, ""))
+        lid = self._ident_learner.get(ident, "")
+        stats = self._stats.get(lid)
 
         def send(frames: list[Any]) -> None:
             self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+            nbytes = _nbytes(frames)
             if stats is not None:
-                stats.bytes_out += _nbytes(frames)
+                stats.bytes_out += nbytes
+            self.metrics.sent(lid if stats is not None else None, nbytes)
 
         try:
             done = box.flush(send)
@@ -817,6 +861,7 @@ class SyncerService:
             meta["first_learner"] = {"learner": self._first[0], "settings": self._first[1].to_wire()}
         path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
         self._checkpoint_at = self.clock()
+        self.metrics.checkpointed(self._checkpoint_at)
         self._event("checkpoint", path=str(path), versions=list(self.core.versions))
         return path
 
@@ -843,6 +888,7 @@ class SyncerService:
             "grace_s": round(core.grace(), 4) if core is not None else None,
             "curve": bool(self.service.secret_key_file),
             "checkpoint_age_s": age(self._checkpoint_at),
+            "metrics": self.metrics_url,
             "status_requests": self.status_requests,
         }
         fragments: list[dict[str, Any]] = []
@@ -901,6 +947,7 @@ class SyncerService:
         self._start_core(layout, values, None if self._first is None else self._first[1])
         assert self.core is not None
         self.core.load_state_dict(tensors, meta)
+        self.metrics.versions(self.core.versions)
         self.merges = int(meta.get("merges", 0))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
         self._event("resumed", versions=list(self.core.versions))
@@ -941,6 +988,7 @@ class SyncerService:
                         replies_dropped=self.replies_dropped, log_suppressed=self._limiter.suppressed_total,
                         queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
+            self.metrics.close()
             if self._auth is not None:
                 self._auth.stop()
             with self._log_lock:
