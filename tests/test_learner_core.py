@@ -224,14 +224,17 @@ def test_deterministic_mode_waits_at_t_send_plus_tau() -> None:
     assert acts[-1] is wait
     assert (wait.fragment, wait.after_version, wait.deadline) == (0, 0, rack.clock + config.learner.wait_timeout)
     with pytest.raises(RuntimeError, match="waits for fragment 0"):
-        rack.core.handle(InnerStepDone(TOKENS), rack.clock)
+        rack.core.handle(WaitAnswered(1, Update(1, 1, (full(1.0),))), rack.clock)
+    # A wait the driver gave up on (it raised) is asked again at the next step.
+    (again,) = of(rack.step(), WaitForVersion)
+    assert (again.fragment, again.after_version, again.deadline) == (0, 0, rack.clock + config.learner.wait_timeout)
     rack.clock += 3.0
     merged = Update(0, 1, (full(1.0),))
     (apply,) = rack.run(rack.core.handle(WaitAnswered(0, merged), rack.clock))
     assert isinstance(apply, ApplyValue) and apply.rule == "overwrite" and apply.update is merged
     assert torch.equal(rack.local[0][0], full(1.0))
     rack.resume()
-    assert rack.core.fragments[0].c_steps == 0
+    assert rack.core.fragments[0].c_steps == 0 and rack.core.in_flight() == ()
 
 
 def test_deterministic_wait_answered_by_a_rejoin_value_rebases() -> None:

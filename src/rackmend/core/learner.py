@@ -367,16 +367,14 @@ class LearnerCore:
         config.compression.require_float32("uplink", ((t.name, t.dtype) for f in fragments for t in f.tensors))
         self._snapshots_asked: set[int] = set()
         self._waiting: int | None = None
-        """The fragment of an outstanding ``WaitForVersion``."""
+        """The fragment of the latest ``WaitForVersion``, until answered. A wait that fails
+        (the driver raises) is asked again at the next ``ApplyDue``."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
         """Apply one event at time ``now`` (seconds, any monotonic origin) and return
         what the driver must do, in order."""
         actions: list[LearnerAction] = []
-        if self._waiting is not None and not isinstance(event, (WaitAnswered, ProbeMeasured)):
-            raise RuntimeError(f"the core waits for fragment {self._waiting} (WaitForVersion); answer it with "
-                               f"WaitAnswered before {type(event).__name__}")
         if isinstance(event, InnerStepDone):
             self._step_done(event, now, actions)
         elif isinstance(event, SnapshotTaken):
