@@ -75,7 +75,7 @@ def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field
     rejected = events(core.handle(bad, 0.0), "reject")
     core.handle(contrib("a", torch.full((N,), 1.0)), 0.1)
     actions = core.handle(Tick(), 5.0)
-    assert rejected and "bound" in rejected[0]["reason"], rejected
+    assert rejected and "bound" in rejected[0]["reason"] and rejected[0]["code"] == "bounds", rejected
     (m,) = events(actions, "merge")
     assert m["merged"] == ["a"]
     assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
@@ -134,6 +134,57 @@ def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
     assert events(actions, "merge") and torch.isfinite(core.theta[0][0]).all()
     change = torch.linalg.vector_norm(core.theta[0][0] - before).item()
     assert change <= guard["bound"] * 1.01  # the weighted mean of two contributions within the bound
+
+
+@pytest.mark.parametrize("steps,clipped", [(80, False), (8, True)])
+def test_guard_allows_for_the_steps_behind_a_send(steps: int, clipped: bool) -> None:
+    # Back from an outage, a learner's first send holds every step made meanwhile (10x the
+    # usual 8 here) and its norm grows with them: not an outlier. The same norm over the
+    # usual steps is one.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    norm = 100 * torch.linalg.vector_norm(torch.full((N,), 0.01)).item()
+    big = torch.full((N,), 0.01) * 100
+    actions = core.handle(contrib("b", big, base=core.versions[0], step=step + steps, steps=steps), 10.0)
+    guards = events(actions, "guard")
+    assert bool(guards) == clipped, guards
+    if clipped:
+        assert guards[0]["c_steps"] == 8 and guards[0]["usual_steps"] == 8 and guards[0]["norm"] == pytest.approx(norm)
+
+
+def test_guard_allows_for_a_base_versions_behind() -> None:
+    # A learner whose updates stop arriving trains on from its old base and sends the
+    # drift since that base every time: one usual period more per version behind.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    median = sorted(core.norms[0])[len(core.norms[0]) // 2]
+    big = torch.full((N,), 1.0)
+    big *= 45 * median / torch.linalg.vector_norm(big).item()  # 45x: over 30, under 30 x 2
+    assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), "guard")
+    assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), "guard")
+
+
+def test_guard_allowance_for_claimed_steps_is_capped() -> None:
+    # c_steps is the sender's word: claiming a huge amount of work buys at most
+    # GUARD_STEPS_CAP x the usual bound.
+    from rackmend.core.syncer import GUARD_STEPS_CAP
+
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    bad = torch.full((N,), 1e3)
+    actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8, steps=10**6), 10.0)
+    (guard,) = events(actions, "guard")
+    assert guard["bound"] == pytest.approx(core.config.syncer.norm_guard * GUARD_STEPS_CAP * guard["median"])
+
+
+def test_guard_scale_survives_a_checkpoint() -> None:
+    core = make_core(K=2)
+    _honest_rounds(core, 4)
+    tensors, meta = core.state_dict()
+    resumed = make_core(K=2)
+    resumed.load_state_dict(tensors, meta)
+    assert list(resumed.norms[0]) == list(core.norms[0]) and len(core.norms[0]) == 8
+    assert list(resumed.norm_steps[0]) == list(core.norm_steps[0]) == [8] * 8
 
 
 def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:
@@ -301,7 +352,7 @@ def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-
         f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
         "a replay was merged too")
     replays = [r for r in records if r["event"] == "reject" and "replay" in r["reason"]]
-    assert len(replays) == 2
+    assert len(replays) == 2 and {r["code"] for r in replays} == {"replay"}
 
 
 @pytest.mark.parametrize("field,value", [("c_tokens", 1e200), ("c_tokens", float(2**63 - 1)),

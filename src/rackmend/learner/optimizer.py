@@ -57,6 +57,7 @@ from rackmend.core.learner import (
 )
 from rackmend.core.messages import Update
 from rackmend.core.settings import LearnerSettings
+from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
@@ -172,6 +173,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
         self._poll_advice: Callable[[], list[FailSlowReport]] | None = getattr(link, "poll_advice", None)
         """The link's fail-slow advice, looked up once (links without it have none)."""
+        tb = config.learner.tensorboard_dir
+        self._scalars = None if tb is None else LearnerScalars(tb, self.rank, self.world_size)
+        """TensorBoard scalars (``LearnerConfig.tensorboard_dir``), written at each applied merge."""
         self._join()
 
     # ------------------------------------------------------- the core's state, read-only
@@ -347,6 +351,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Leave the run (the syncer stops expecting this learner at once)."""
+        if self._scalars is not None:
+            self._scalars.close()
         self.link.leave()
 
     def __enter__(self) -> "RackmendOptimizer":
@@ -509,5 +515,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if before is not None:
             assert self.probe_loss is not None
             self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))
+        if self._scalars is not None:
+            self._scalars.applied(self, p)
         if self.on_apply is not None:
             self.on_apply(p, action.update)
