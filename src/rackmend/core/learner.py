@@ -302,6 +302,7 @@ class FragmentState:
     held: Pieces = field(default_factory=list)
     """The global value held (the base of the next outer gradient); empty before join."""
     version: int = 0
+    """The version of ``held`` (``Update.version``)."""
     epoch: int = 0
     """The syncer epoch of ``held`` (``Update.epoch``)."""
     c_steps: int = 0
@@ -311,6 +312,8 @@ class FragmentState:
     c_time: float = 0.0
     """Seconds of those steps."""
     in_flight: InFlight | None = None
+    """This rank's latest send (or, on a rank that does not own the fragment, its
+    owner's), until a value answers it."""
     arrived: Update | None = None
     """The newest value received and not applied yet (it waits for t_send + tau)."""
     merge_gain: float | None = None
