@@ -67,8 +67,12 @@ class Procs:
 
 
 def events(tmp: Path) -> list[dict]:
+    """The syncer's log records so far; a last line still being written is left for the next read."""
     path = tmp / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def progress(path: Path) -> tuple[int, list[int]]:
