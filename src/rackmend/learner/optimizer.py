@@ -37,6 +37,7 @@ from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
+from rackmend.learner.pieces import RackPieces
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
@@ -137,8 +138,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         sch = config.schedule
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
                                                      buffers=sch.sync_buffers)
-        self._params: list[list[torch.Tensor]] = fragment_tensors(model, self.fragments)
-        """Per fragment, the model's tensors (parameters and synced buffers) in order."""
+        self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)
+        """This rank's blocks of each fragment, which of them it owns, how copies reach other ranks."""
+        self._params: list[list[torch.Tensor]] = self._pieces.local
+        """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
+        DTensor, this rank's local shard (a view: writing it writes the parameter)."""
         n = len(self.fragments)
         self._rule = config.apply_rule()
         """``learner.apply`` with ``auto`` resolved."""
@@ -401,13 +405,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
                         report.steps)
 
     def owns(self, p: int) -> bool:
-        """Whether this rank sends and receives fragment p."""
-        return p % self.world_size == self.rank
+        """Whether this rank sends and receives (pieces of) fragment p."""
+        return self._pieces.owns(p)
 
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
+        sharded = {"pieces": self._pieces.owned} if self._pieces.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
-                                 settings=LearnerSettings.from_config(self.config))
+                                 settings=LearnerSettings.from_config(self.config), **sharded)
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:
@@ -422,62 +427,30 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.epochs[p] = upd.epoch
 
     def _broadcast(self, p: int, upd: Update | None) -> Update:
-        """The owner's value of fragment p on every rank (a no-op with one rank)."""
-        if not self._dist:
-            assert upd is not None
-            return upd
-        dist = torch.distributed
-        src = dist.get_global_rank(self._group, p % self.world_size) if self._group is not None else p % self.world_size
-        spec = self.fragments[p]
-        if self.owns(p):
-            assert upd is not None
-            version = torch.tensor([upd.version, upd.epoch], dtype=torch.int64)
-            tensors = [t.clone() for t in upd.tensors]
-        else:
-            version = torch.zeros(2, dtype=torch.int64)
-            tensors = [torch.empty(t.shape, dtype=t.dtype) for t in spec.tensors]
-        backend_device = self._params[p][0].device if dist.get_backend(self._group) == "nccl" else None
-        for t in [version, *tensors]:
-            buf = t.to(backend_device) if backend_device is not None else t
-            dist.broadcast(buf, src, group=self._group)
-            if buf is not t:
-                t.copy_(buf.cpu())
-        return Update(p, int(version[0]), tuple(tensors), reset=upd.reset if upd is not None else False,
-                      epoch=int(version[1]))
+        """The owners' value of fragment p on every rank (a no-op with one rank)."""
+        return self._pieces.spread(p, upd)
 
     def _apply_across_ranks(self, t: int) -> None:
         """One small all-reduce per step tells every rank which fragments change now
         (1: apply a merged value, 2: adopt a rejoin value); owners then broadcast them."""
         n = len(self.fragments)
         tau = self.config.schedule.overlap
-        status = torch.zeros(n, dtype=torch.int64)
+        ready: list[Update | None] = [None] * n
         for p in range(n):
             if not self.owns(p):
                 continue
             arrived = self._arrived.get(p)
-            if arrived is not None and arrived.reset:
-                status[p] = 2
-                continue
-            pend = self._pending.get(p)
-            if pend is None or t < pend.t_send + tau:
-                continue
-            if arrived is None and self.config.deterministic:
-                self._arrived[p] = arrived = self._wait(p)
-            if arrived is not None:
-                status[p] = 2 if arrived.reset else 1
-        dist = torch.distributed
-        if dist.get_backend(self._group) == "nccl":
-            dev = self._params[0][0].device
-            gathered = status.to(dev)
-            dist.all_reduce(gathered, group=self._group)
-            status = gathered.cpu()
-        else:
-            dist.all_reduce(status, group=self._group)
-        for p in range(n):
-            code = int(status[p])
+            if arrived is None or not arrived.reset:
+                pend = self._pending.get(p)
+                if pend is None or t < pend.t_send + tau:
+                    continue
+                if arrived is None and self.config.deterministic:
+                    self._arrived[p] = arrived = self._wait(p)
+            ready[p] = arrived
+        for p, (code, version, epoch, reset) in enumerate(self._pieces.agree(ready)):
             if code == 0:
                 continue
-            upd = self._broadcast(p, self._arrived.pop(p, None) if self.owns(p) else None)
+            upd = self._pieces.spread(p, self._arrived.pop(p, None) if self.owns(p) else None, (version, epoch, reset))
             if code == 2:
                 self._adopt(upd)
             else:
@@ -541,9 +514,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self._pending[p] = _Pending(self.step_count, keep, (self.c_steps[p], self.c_tokens[p], self.c_time[p]))
             return
         snapshot = self._snapshot(p)
-        delta = tuple(h - s for h, s in zip(self.held[p], snapshot))
+        delta = self._pieces.owned_of(p, [h - s for h, s in zip(self.held[p], snapshot)])
         encoded = None
-        nbytes = self.fragments[p].nbytes
+        nbytes = self._pieces.owned_nbytes(p)
         if self._uplink is not None:
             pairs = [self._uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
             encoded = tuple(enc for enc, _ in pairs)
@@ -565,6 +538,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             rank=self.rank,
             rank_steps=len(self._rank_times),
             rank_step_time=statistics.median(self._rank_times) if self._rank_times else 0.0,
+            pieces=self._pieces.wire_pieces(p),
         )
         self._rank_times = []
         self.link.send(contribution)

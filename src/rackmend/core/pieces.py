@@ -1,0 +1,176 @@
+"""Pieces: which part of each global tensor a learner rank sends and receives.
+
+A rank of a sharded rack (FSDP2, tensor parallel, HSDP) holds only a block of each
+parameter. A *piece* names such a block: the tensor's index in its fragment, the
+block's offsets in the global tensor and its shape. A rank *owns* the pieces it
+sends and receives; where several ranks hold the same block (DDP, HSDP's replicate
+dimension, a TP ``Replicate`` placement) exactly one of them owns it, chosen by
+``owner`` (the one place that rule is written). A plain rack's rank owns whole
+tensors: ``whole_pieces`` gives that layout, which is the one a learner that declares
+no pieces at hello has.
+
+Pure functions and frozen values: nothing here knows torch.distributed, sockets or
+clocks. Reading a DTensor's placements is ``rackmend.learner.pieces``'s job; assembling
+a learner's pieces into whole tensors is the syncer service's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rackmend.core.fragments import FragmentSpec, TensorSpec
+
+__all__ = [
+    "Piece",
+    "RankPieces",
+    "owner",
+    "whole_pieces",
+    "is_whole",
+    "pieces_problem",
+    "cover_problem",
+    "piece_spec",
+    "cut",
+    "pieces_to_wire",
+    "pieces_from_wire",
+]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of one tensor of a fragment: ``tensor`` (its index in the fragment),
+    where the block starts in the global tensor and its shape."""
+
+    tensor: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+    def covers(self, spec: TensorSpec) -> bool:
+        """Whether this block is the whole of ``spec``."""
+        return self.shape == spec.shape and not any(self.offsets)
+
+
+RankPieces = tuple[tuple[Piece, ...], ...]
+"""Per fragment, the pieces one rank owns, in tensor order (an empty tuple: none)."""
+
+
+def owner(fragment: int, holders: Sequence[int]) -> int:
+    """The rank that sends and receives a block several ranks hold: the
+    ``fragment mod len(holders)``-th of them in ascending order. For a plain rack
+    (every rank holds every tensor) that is rank ``fragment mod world``, so the
+    fragments of a DDP rack are striped over its ranks."""
+    ranks = sorted(holders)
+    return ranks[fragment % len(ranks)]
+
+
+def whole_pieces(fragments: Sequence[FragmentSpec], rank: int, world: int) -> RankPieces:
+    """What ``rank`` of a plain rack of ``world`` ranks owns: every tensor of the fragments
+    ``owner`` gives it, whole."""
+    return tuple(
+        tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(f.tensors))
+        if owner(f.index, range(world)) == rank else ()
+        for f in fragments)
+
+
+def is_whole(spec: FragmentSpec, pieces: Sequence[Piece]) -> bool:
+    """Whether ``pieces`` are every tensor of ``spec``, whole (one rank owns the fragment)."""
+    return (len(pieces) == len(spec.tensors)
+            and all(pc.tensor == i and pc.covers(t) for i, (pc, t) in enumerate(zip(pieces, spec.tensors))))
+
+
+def pieces_problem(fragments: Sequence[FragmentSpec], pieces: RankPieces) -> str | None:
+    """Why one rank's declared pieces cannot be right for ``fragments``, or None: one
+    entry per fragment, tensors ascending and each at most once, every block non-empty
+    and inside its tensor's global shape with as many dimensions."""
+    if len(pieces) != len(fragments):
+        return f"pieces are declared for {len(pieces)} fragments, the layout has {len(fragments)}"
+    for f, owned in zip(fragments, pieces):
+        last = -1
+        for pc in owned:
+            if not last < pc.tensor < len(f.tensors):
+                return (f"fragment {f.index}: piece of tensor {pc.tensor} is out of order, repeated or beyond "
+                        f"the fragment's {len(f.tensors)} tensors")
+            last = pc.tensor
+            spec = f.tensors[pc.tensor]
+            where = f"fragment {f.index}, {spec.name} {list(spec.shape)}: piece at {list(pc.offsets)} of {list(pc.shape)}"
+            if len(pc.offsets) != len(spec.shape) or len(pc.shape) != len(spec.shape):
+                return f"{where} has another number of dimensions than the tensor"
+            if pc.numel == 0:
+                return f"{where} is empty (a rank owning nothing of a tensor declares no piece of it)"
+            if any(o < 0 or s < 1 or o + s > g for o, s, g in zip(pc.offsets, pc.shape, spec.shape)):
+                return f"{where} lies outside the tensor"
+    return None
+
+
+def cover_problem(fragments: Sequence[FragmentSpec], ranks: Sequence[RankPieces]) -> str | None:
+    """Why the pieces the ranks of one learner own do not cover every element of every
+    tensor exactly once (a gap: nobody would send it; an overlap: two ranks would), or
+    None. Counts per element, one tensor at a time: exact for any shapes of blocks."""
+    for f in fragments:
+        by_tensor: list[list[tuple[int, Piece]]] = [[] for _ in f.tensors]
+        for rank, pieces in enumerate(ranks):
+            for pc in pieces[f.index]:
+                by_tensor[pc.tensor].append((rank, pc))
+        for spec, held in zip(f.tensors, by_tensor):
+            if sum(pc.numel for _, pc in held) == spec.numel and len(held) == 1:
+                continue  # one rank owns it whole: nothing to count
+            count = torch.zeros(spec.shape, dtype=torch.int32)
+            for _, pc in held:
+                count[pc.slices()] += 1
+            gaps, overlaps = int((count == 0).sum()), int((count > 1).sum())
+            if gaps or overlaps:
+                owners = ", ".join(f"rank {r} {list(pc.offsets)}+{list(pc.shape)}" for r, pc in held) or "nobody"
+                what = []
+                if gaps:
+                    what.append(f"{gaps} elements owned by no rank")
+                if overlaps:
+                    what.append(f"{overlaps} elements owned by more than one rank")
+                return (f"fragment {f.index}, {spec.name} {list(spec.shape)}: {' and '.join(what)} (owned: {owners}). "
+                        "Every element must be sent by exactly one rank of a learner")
+    return None
+
+
+def piece_spec(spec: FragmentSpec, pieces: Sequence[Piece]) -> FragmentSpec:
+    """A fragment spec listing ``pieces`` as its tensors (same names and dtypes, the
+    pieces' shapes): what a message carrying those pieces is checked against."""
+    return FragmentSpec(spec.index, spec.offset, tuple(
+        TensorSpec(spec.tensors[pc.tensor].name, pc.shape, spec.tensors[pc.tensor].dtype,
+                   spec.tensors[pc.tensor].is_embedding, spec.tensors[pc.tensor].is_buffer)
+        for pc in pieces))
+
+
+def cut(values: Sequence[torch.Tensor], pieces: Sequence[Piece]) -> tuple[torch.Tensor, ...]:
+    """The blocks ``pieces`` name out of a fragment's whole ``values`` (views)."""
+    return tuple(values[pc.tensor][pc.slices()] for pc in pieces)
+
+
+def pieces_to_wire(pieces: Sequence[Piece]) -> list[list[Any]]:
+    return [[pc.tensor, list(pc.offsets), list(pc.shape)] for pc in pieces]
+
+
+def pieces_from_wire(raw: Any) -> tuple[Piece, ...]:
+    """Inverse of ``pieces_to_wire``; ValueError on anything malformed (bounds are
+    ``pieces_problem``'s, which needs the layout)."""
+    if not isinstance(raw, list):
+        raise ValueError("pieces: expected a list")
+    out = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0])
+                and all(isinstance(v, list) and len(v) <= 8 and all(_is_int(x) for x in v) for v in entry[1:])):
+            raise ValueError(f"pieces: malformed entry {str(entry)[:80]} (expected [tensor, offsets, shape])")
+        out.append(Piece(entry[0], tuple(entry[1]), tuple(entry[2])))
+    return tuple(out)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**62

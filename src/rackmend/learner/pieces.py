@@ -1,0 +1,256 @@
+"""The learner's view of a sharded rack: each rank's local blocks of the model's tensors.
+
+``RackPieces`` turns the model's tensors of each fragment into what this rank works
+on: for a ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism, HSDP) its local
+shard, ``to_local()`` (a view: writing it writes the parameter; nothing ever gathers
+a whole parameter), placed in the global tensor from its placements over the mesh
+(``compute_local_shape_and_global_offset``, uneven shards included); a plain tensor
+is one block covering all of it. The ranks then exchange their blocks' places (a few
+integers each, once) so that every rank knows who else holds the same block: of
+those, ``rackmend.core.pieces.owner`` picks the one that sends it and receives its
+updates; the others get the value from it by a broadcast inside the rack
+(``spread``), over a process group of exactly the ranks holding that block.
+
+The learner's math (snapshot, outer gradient, apply rules) runs on the local blocks
+unchanged; this module only says which of them travel and brings received values to
+the ranks that hold copies. With one rank everything is whole and owned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from rackmend.config import ConfigError
+from rackmend.core.fragments import FragmentSpec
+from rackmend.core.messages import Update
+from rackmend.core.pieces import Piece, RankPieces, is_whole, owner, whole_pieces
+from rackmend.transport.base import TransportError
+
+__all__ = ["RackPieces", "local_block"]
+
+_NONE = -(2**62)
+"""Neutral value of a MAX all-reduce (no rank reports anything this small)."""
+
+
+def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None]:
+    """(the tensor this rank holds of ``t``, its place in the global tensor); the place
+    is None when the rank holds no element of it (an uneven shard can be empty)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # torch without distributed support: no DTensor either
+        DTensor = None  # type: ignore[assignment,misc]
+    if DTensor is None or not isinstance(t, DTensor):
+        local = t.detach()
+        return local, (Piece(index, (0,) * t.dim(), tuple(t.shape)) if t.numel() else None)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    odd = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if odd:  # Partial: the local tensor is a summand, not a block
+        raise ConfigError(f"a DTensor parameter has placement {odd[0]} (placements {tuple(t.placements)}); rackmend "
+                          "synchronises Shard and Replicate placements only (FSDP2, tensor parallel, HSDP)")
+    local = t.to_local().detach()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise ConfigError(f"a DTensor's local tensor has shape {list(local.shape)}, its placements "
+                          f"{tuple(t.placements)} say {list(shape)} (padded shards are not supported)")
+    if not local.numel():
+        return local, None
+    return local, Piece(index, tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+
+
+class RackPieces:
+    """Per fragment: this rank's local tensors, the pieces it owns and, for blocks that
+    several ranks hold, the group to broadcast in. Built collectively (every rank of
+    ``group`` constructs it at the same point, as ``RackmendOptimizer`` does)."""
+
+    def __init__(self, fragments: Sequence[FragmentSpec], tensors: Sequence[Sequence[torch.Tensor]],
+                 group: Any = None) -> None:
+        dist = torch.distributed
+        self.fragments = list(fragments)
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        blocks = [[local_block(t, i) for i, t in enumerate(ts)] for ts in tensors]
+        self.local: list[list[torch.Tensor]] = [[b[0] for b in bs] for bs in blocks]
+        """Per fragment, the tensors this rank holds (views of the model's), in fragment order."""
+        self.blocks: list[list[Piece | None]] = [[b[1] for b in bs] for bs in blocks]
+        """Per fragment and tensor, where this rank's block lies (None: it holds nothing of it)."""
+        for f, bs in zip(self.fragments, self.blocks):
+            for spec, b in zip(f.tensors, bs):
+                if b is not None and any(o + s > g for o, s, g in zip(b.offsets, b.shape, spec.shape)):
+                    raise ConfigError(f"{spec.name}: this rank's block at {list(b.offsets)} of {list(b.shape)} lies "
+                                      f"outside the tensor's global shape {list(spec.shape)}")
+        everyone = self._gather_blocks() if self.distributed else [self.blocks]
+        self._device = self._collective_device()
+        owned: list[list[Piece]] = [[] for _ in self.fragments]
+        self._replicas: list[list[tuple[int, Any] | None]] = [[None] * len(f.tensors) for f in self.fragments]
+        """Per fragment and tensor: (owner's global rank, group of the ranks holding this
+        rank's block) when other ranks hold it too, else None."""
+        groups: dict[tuple[int, ...], Any] = {}
+        for f in self.fragments:
+            for i in range(len(f.tensors)):
+                holders_of: dict[Piece, list[int]] = {}
+                for r, theirs in enumerate(everyone):
+                    if theirs[f.index][i] is not None:
+                        holders_of.setdefault(theirs[f.index][i], []).append(r)
+                for block, holders in sorted(holders_of.items(), key=lambda kv: kv[1]):
+                    if len(holders) > 1 and tuple(holders) not in groups:
+                        # Every rank creates every group, in this same order (new_group's contract).
+                        groups[tuple(holders)] = self._new_group(holders)
+                    mine = self.blocks[f.index][i]
+                    if mine != block:
+                        continue
+                    lead = owner(f.index, holders)
+                    if lead == self.rank:
+                        owned[f.index].append(block)
+                    if len(holders) > 1:
+                        self._replicas[f.index][i] = (self._global(lead), groups[tuple(holders)])
+        self.owned: RankPieces = tuple(tuple(o) for o in owned)
+        """Per fragment, the pieces this rank sends and receives."""
+        self.sharded = self.owned != whole_pieces(self.fragments, self.rank, self.world)
+        """Whether any piece differs from a plain rack's whole-fragment striping (then the
+        pieces travel in the hello and in every message)."""
+
+    # ------------------------------------------------------------------ queries
+    def owns(self, p: int) -> bool:
+        """Whether this rank sends (and receives) anything of fragment ``p``."""
+        return bool(self.owned[p])
+
+    def owned_of(self, p: int, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Of ``values`` (one per tensor of fragment ``p``, as ``local``), the owned ones."""
+        return tuple(values[pc.tensor] for pc in self.owned[p])
+
+    def wire_pieces(self, p: int) -> tuple[Piece, ...] | None:
+        """The pieces a contribution of fragment ``p`` carries; None when they are the whole
+        fragment (then it travels as from a plain rack)."""
+        return None if is_whole(self.fragments[p], self.owned[p]) else self.owned[p]
+
+    def owned_nbytes(self, p: int) -> int:
+        return sum(pc.numel * self.fragments[p].tensors[pc.tensor].dtype.itemsize for pc in self.owned[p])
+
+    # ------------------------------------------------------------------ collectives
+    def agree(self, ready: Sequence[Update | None]) -> list[tuple[int, int, int, bool]]:
+        """Per fragment, what every rank does now, the same on all: (code, version, epoch,
+        reset) with code 0 (nothing), 1 (apply) or 2 (adopt a rejoin value). ``ready``: per
+        fragment, the update this rank would apply now (owners only; None otherwise).
+        A fragment changes only when every owner of it is ready with the same value
+        (epoch and version), so each rank's block of it changes at the same step."""
+        n = len(self.fragments)
+        report = torch.full((n, 6), _NONE, dtype=torch.int64)
+        for p in range(n):
+            if not self.owns(p):
+                continue
+            upd = ready[p]
+            if upd is None:
+                report[p, 0] = 1  # an owner that is not ready holds the fragment back
+                continue
+            report[p] = torch.tensor([0, upd.version, -upd.version, upd.epoch, -upd.epoch, int(upd.reset)])
+        out = self._all_reduce_max(report)
+        result = []
+        for p in range(n):
+            waiting, v, neg_v, e, neg_e, reset = (int(x) for x in out[p])
+            if waiting == 1 or v < 0 or v != -neg_v or e != -neg_e:
+                result.append((0, 0, 0, False))
+            else:
+                result.append((2 if reset else 1, v, e, bool(reset)))
+        return result
+
+    def spread(self, p: int, upd: Update | None, meta: tuple[int, int, bool] | None = None) -> Update:
+        """Fragment ``p``'s new value on every rank as ``local`` has it (one tensor per
+        tensor of the fragment): owners pass what they received (their pieces, ``upd``),
+        the others None; a block held by several ranks is broadcast from its owner among
+        them. ``meta`` = (version, epoch, reset) when every rank knows it (from ``agree``);
+        otherwise the owners' are all-reduced. Collective: every rank calls it for ``p``."""
+        if not self.distributed:
+            assert upd is not None
+            return upd
+        if meta is None:
+            report = torch.full((5,), _NONE, dtype=torch.int64)
+            if upd is not None:
+                report = torch.tensor([upd.version, -upd.version, upd.epoch, -upd.epoch, int(upd.reset)])
+            v, neg_v, e, neg_e, reset = (int(x) for x in self._all_reduce_max(report))
+            if v < 0 or v != -neg_v or e != -neg_e:
+                raise TransportError(f"fragment {p}: the ranks owning it received different values (versions "
+                                     f"{-neg_v}..{v}); cannot put one value on every rank")
+            meta = (v, e, bool(reset))
+        received = iter(upd.tensors if upd is not None else ())
+        tensors = []
+        for i, (local, block) in enumerate(zip(self.local[p], self.blocks[p])):
+            mine = block is not None and block in self.owned[p]
+            value = next(received) if mine else torch.empty(tuple(local.shape), dtype=local.dtype)
+            replicas = self._replicas[p][i]
+            if replicas is not None:
+                src, group = replicas
+                value = self._broadcast(value if not mine else value.clone(), src, group)
+            tensors.append(value)
+        return Update(p, meta[0], tuple(tensors), reset=meta[2], epoch=meta[1])
+
+    # ------------------------------------------------------------------ helpers
+    def _gather_blocks(self) -> list[list[list[Piece | None]]]:
+        """Every rank's blocks, as int64 tensors (no pickling): per tensor, a present
+        flag, then offsets and shape."""
+        dims = [len(spec.shape) for f in self.fragments for spec in f.tensors]
+        # A missing block still takes its tensor's room, so every rank's row has one length.
+        rows, k = [], 0
+        for bs in self.blocks:
+            for b in bs:
+                nd = dims[k]
+                rows += [1, *b.offsets, *b.shape] if b is not None else [0] * (1 + 2 * nd)
+                k += 1
+        mine = torch.tensor(rows, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dev = self._collective_device()
+        if dev is not None:
+            moved = [t.to(dev) for t in out]
+            torch.distributed.all_gather(moved, mine.to(dev), group=self.group)
+            out = [t.cpu() for t in moved]
+        else:
+            torch.distributed.all_gather(out, mine, group=self.group)
+        everyone = []
+        for row in out:
+            vals, at, per = row.tolist(), 0, []
+            for f in self.fragments:
+                fb: list[Piece | None] = []
+                for i, spec in enumerate(f.tensors):
+                    nd = len(spec.shape)
+                    if vals[at]:
+                        fb.append(Piece(i, tuple(vals[at + 1:at + 1 + nd]), tuple(vals[at + 1 + nd:at + 1 + 2 * nd])))
+                    else:
+                        fb.append(None)
+                    at += 1 + 2 * nd
+                per.append(fb)
+            everyone.append(per)
+        return everyone
+
+    def _collective_device(self) -> torch.device | None:
+        """Where collective buffers live: the tensors' CUDA device under NCCL, else the host."""
+        if not self.distributed or torch.distributed.get_backend(self.group) != "nccl":
+            return None
+        for ts in self.local:
+            for t in ts:
+                if t.is_cuda:
+                    return t.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _global(self, rank: int) -> int:
+        return torch.distributed.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _new_group(self, holders: list[int]) -> Any:
+        if len(holders) == self.world:
+            return self.group
+        return torch.distributed.new_group([self._global(r) for r in holders])
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        dev = self._device
+        buf = t.to(dev) if dev is not None else t
+        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return buf.cpu() if dev is not None else buf
+
+    def _broadcast(self, t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        dev = self._device
+        buf = t.to(dev) if dev is not None else t
+        torch.distributed.broadcast(buf, src, group=group)
+        return buf.cpu() if dev is not None else buf
