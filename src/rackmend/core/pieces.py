@@ -115,28 +115,32 @@ def pieces_problem(fragments: Sequence[FragmentSpec], pieces: RankPieces) -> str
 def cover_problem(fragments: Sequence[FragmentSpec], ranks: Sequence[RankPieces]) -> str | None:
     """Why the pieces the ranks of one learner own do not cover every element of every
     tensor exactly once (a gap: nobody would send it; an overlap: two ranks would), or
-    None. Counts per element, one tensor at a time: exact for any shapes of blocks."""
+    None. Marks the covered elements of one tensor at a time (a byte each): the elements
+    left unmarked are the gaps, and the pieces' sizes beyond the marked count are overlaps.
+    Exact for any shapes of blocks."""
     for f in fragments:
         by_tensor: list[list[tuple[int, Piece]]] = [[] for _ in f.tensors]
         for rank, pieces in enumerate(ranks):
             for pc in pieces[f.index]:
                 by_tensor[pc.tensor].append((rank, pc))
         for spec, held in zip(f.tensors, by_tensor):
-            if sum(pc.numel for _, pc in held) == spec.numel and len(held) == 1:
-                continue  # one rank owns it whole: nothing to count
-            count = torch.zeros(spec.shape, dtype=torch.int32)
+            total = sum(pc.numel for _, pc in held)
+            if total == spec.numel and len(held) == 1:
+                continue  # one rank owns it whole (pieces lie inside their tensor: pieces_problem)
+            covered = torch.zeros(spec.shape, dtype=torch.bool)
             for _, pc in held:
-                count[pc.slices()] += 1
-            gaps, overlaps = int((count == 0).sum()), int((count > 1).sum())
+                covered[pc.slices()] = True
+            gaps = spec.numel - int(covered.sum())
+            overlaps = total - (spec.numel - gaps)
             if gaps or overlaps:
-                owners = ", ".join(f"rank {r} {list(pc.offsets)}+{list(pc.shape)}" for r, pc in held) or "nobody"
+                owners = ", ".join(f"rank {r} {list(pc.offsets)}+{list(pc.shape)}" for r, pc in held[:8]) or "nobody"
                 what = []
                 if gaps:
                     what.append(f"{gaps} elements owned by no rank")
                 if overlaps:
-                    what.append(f"{overlaps} elements owned by more than one rank")
-                return (f"fragment {f.index}, {spec.name} {list(spec.shape)}: {' and '.join(what)} (owned: {owners}). "
-                        "Every element must be sent by exactly one rank of a learner")
+                    what.append(f"{overlaps} elements owned by more than one rank (counted once per extra owner)")
+                return (f"fragment {f.index}, {spec.name} {list(spec.shape)}: {' and '.join(what)} (owned: {owners}"
+                        f"{', ...' if len(held) > 8 else ''}). Every element must be sent by exactly one rank")
     return None
 
 
