@@ -91,18 +91,22 @@ def _held_equal_syncer(tmp: Path, lid: str, ranks: int, checkpoint: dict[str, to
         assert i > 0, f"the checkpoint has no history of fragment {p} version {v}"
 
 
-def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode,ranks", [("tp", 2), ("tp_fsdp", 4)])
+def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path: Path, mode: str,
+                                                         ranks: int) -> None:
     """A rack of 2 tensor-parallel ranks (colwise then rowwise Linear: Shard(0), Shard(1)
-    and a Replicate bias; the other tensors plain, replicated on both ranks) and a plain
-    rack, deterministic: every fragment merges both every round, every rank of the TP rack
-    holds exactly its blocks of the syncer's values (replicated blocks reach the rank that
-    does not own them by broadcast), and the result stays within rounding of the
-    single-process reference (rowwise parallel sums its partial products in another order)."""
+    and a Replicate bias; the other tensors plain, replicated on both ranks), or of TP
+    pairs inside FSDP2 over 2 (a 2 x 2 mesh: FSDP's strided shards of TP's, and blocks
+    only the TP pair shares), and a plain rack, deterministic: every fragment merges both
+    every round, every rank of the sharded rack holds exactly its blocks of the syncer's
+    values (replicated blocks reach the ranks that do not own them by broadcast), and
+    the result stays within rounding of the single-process reference (rowwise parallel
+    sums its partial products in another order)."""
     ids = ["l0", "l1"]
     ck = tmp_path / "ck"
     syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
                                     "--overlap", str(TAU), "--checkpoint-dir", str(ck))
-    tp = _rack(procs, endpoint, "l0", 2, "tp", ids, tmp_path, "--deterministic",
+    tp = _rack(procs, endpoint, "l0", ranks, mode, ids, tmp_path, "--deterministic",
                "--held-out", str(tmp_path / "l0.held"))
     plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
     finish(tp, procs, "l0", timeout=240)
@@ -111,7 +115,7 @@ def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path:
     assert syncer.wait(30) == 0
     assert len(_merges(tmp_path, ids)) >= P * 3
     checkpoint = load_file(str(ck / "syncer.safetensors"))
-    _held_equal_syncer(tmp_path, "l0", 2, checkpoint)
+    _held_equal_syncer(tmp_path, "l0", ranks, checkpoint)
     ref = _reference(ids)
     for lid in ids:
         got = load_file(str(tmp_path / f"{lid}.safetensors"))

@@ -39,6 +39,7 @@ def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None
     is None when the rank holds no element of it (an uneven shard can be empty)."""
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # torch without distributed support: no DTensor either
         DTensor = None  # type: ignore[assignment,misc]
     if DTensor is None or not isinstance(t, DTensor):
@@ -46,7 +47,7 @@ def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None
         return local, (Piece(index, (0,) * t.dim(), tuple(t.shape)) if t.numel() else None)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    odd = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    odd = [p for p in t.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
     if odd:  # Partial: the local tensor is a summand, not a block
         raise ConfigError(f"a DTensor parameter has placement {odd[0]} (placements {tuple(t.placements)}); rackmend "
                           "synchronises Shard and Replicate placements only (FSDP2, tensor parallel, HSDP)")
@@ -57,7 +58,33 @@ def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None
                           f"{tuple(t.placements)} say {list(shape)} (padded shards are not supported)")
     if not local.numel():
         return local, None
+    if any(isinstance(p, _StridedShard) for p in t.placements) and not _contiguous(t):
+        raise ConfigError(f"a DTensor parameter's local shard (placements {tuple(t.placements)}) is not one "
+                          "block of the global tensor; rackmend sends blocks only")
     return local, Piece(index, tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+
+
+def _contiguous(t: Any) -> bool:
+    """Whether the rows a strided shard holds (FSDP2 over TP) are consecutive in every
+    dimension, so that offsets and a shape describe them. Uses the index lists torch
+    computes for ``compute_local_shape_and_global_offset``; where those internals are
+    missing, the syncer's cover check (gaps and overlaps) stays the guard."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+        from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    except ImportError:
+        return True
+    mesh, shape = t.device_mesh, list(t.shape)
+    coordinate = mesh.get_coordinate()
+    indices: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(t.placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        size, index = _get_shard_size_and_offsets(shape[p.dim], mesh.size(mesh_dim), coordinate[mesh_dim], p,
+                                                  indices.get(p.dim), t.shape[p.dim], False)
+        shape[p.dim] = size
+        indices[p.dim] = index
+    return all(len(ix) <= 1 or bool((ix[1:] - ix[:-1] == 1).all()) for ix in indices.values())
 
 
 class RackPieces:
