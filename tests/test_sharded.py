@@ -147,6 +147,30 @@ def test_fsdp_racks_of_two_and_three_ranks_and_a_plain_rack_equal_the_reference(
         assert_files_equal_reference(tmp_path, ["l0"], _reference(ids))
 
 
+def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs: Procs, tmp_path: Path) -> None:
+    """Asynchronous (no lockstep, quorum 1): an FSDP2 rack of 2 ranks and a plain rack
+    train one model; the rack's held-out loss falls clearly, and at the end each of its
+    ranks holds exactly its blocks of the syncer's value of the version it holds (all
+    ranks the same version: a value is applied on every rank at the same step)."""
+    ids, steps = ["l0", "l1"], 30
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--overlap", str(TAU), "--checkpoint-dir", str(ck))
+    rack = procs.start([*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--endpoint", endpoint,
+                        "--id", "l0", "--steps", str(steps), "--H", str(H), "--P", str(P), "--tau", str(TAU),
+                        "--held-out", str(tmp_path / "l0.held"), "--loss-out", str(tmp_path / "loss")], "l0")
+    plain = procs.learner(endpoint, "l1", "--steps", str(steps), "--H", str(H), "--P", str(P), "--tau", str(TAU))
+    finish(rack, procs, "l0", timeout=300)
+    finish(plain, procs, "l1", timeout=300)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert {lid for e in merges for lid in e["merged"]} == set(ids)
+    assert not [e for e in events(tmp_path) if e["event"] in ("piece_dropped", "reject", "bad_message")]
+    first, last = map(float, (tmp_path / "loss").read_text().split())
+    assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
+    _held_equal_syncer(tmp_path, "l0", 2, load_file(str(ck / "syncer.safetensors")))
+
+
 def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_path: Path) -> None:
     """HSDP: 2 replicas of FSDP2 over 2 ranks (4 processes), beside a plain rack,
     deterministic. Of each block two ranks hold a copy: the owner (``core.pieces.owner``)

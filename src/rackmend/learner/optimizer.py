@@ -418,17 +418,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if missing:
             raise TransportError(f"join: the syncer sent no value for fragments {missing}")
         for p in range(len(self.fragments)):
-            upd = self._broadcast(p, got.get(p) if self.owns(p) else None)
+            upd = self._pieces.spread(p, got.get(p))  # the owners' values on every rank that holds them
             with torch.no_grad():
                 for param, value in zip(self._params[p], upd.tensors):
                     param.copy_(value)
             self.held[p] = list(upd.tensors)
             self.versions[p] = upd.version
             self.epochs[p] = upd.epoch
-
-    def _broadcast(self, p: int, upd: Update | None) -> Update:
-        """The owners' value of fragment p on every rank (a no-op with one rank)."""
-        return self._pieces.spread(p, upd)
 
     def _apply_across_ranks(self, t: int) -> None:
         """One small all-reduce per step tells every rank which fragments change now
@@ -514,7 +510,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self._pending[p] = _Pending(self.step_count, keep, (self.c_steps[p], self.c_tokens[p], self.c_time[p]))
             return
         snapshot = self._snapshot(p)
-        delta = self._pieces.owned_of(p, [h - s for h, s in zip(self.held[p], snapshot)])
+        owned = self._pieces.owned_of
+        delta = tuple(h - s for h, s in zip(owned(p, self.held[p]), owned(p, snapshot)))
         encoded = None
         nbytes = self._pieces.owned_nbytes(p)
         if self._uplink is not None:
