@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rackmend-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
 	$(PY) benchmarks/transport.py --quick
 	$(PY) benchmarks/codecs.py --quick
+
+# Needs a CUDA device (CI has none), a few minutes: the tests marked cuda (device
+# codecs, CUDA learners, async TP on 1-2 GPUs) and the GPU benchmarks.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,10 +1,13 @@
 """Shared pieces of the test suite: a tiny language model, its data, an in-process run,
-a served syncer and a raw DEALER socket for protocol-level tests."""
+a served syncer, a raw DEALER socket for protocol-level tests and a scrape of a
+syncer's Prometheus metrics."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +15,7 @@ import msgpack
 import torch
 import torch.nn.functional as F
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 from torch import nn
 
@@ -189,3 +193,27 @@ class Dealer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""One scrape: (metric name, sorted labels) -> value."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for an option that takes a port number, not 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of one scrape of ``url``, read with prometheus-client's parser."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))

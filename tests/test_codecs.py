@@ -583,6 +583,7 @@ def test_lossless_codec_keeps_no_residual_and_flushes_an_old_one() -> None:
 # -- CUDA ----------------------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cuda_stays_on_device_and_matches_cpu(case: tuple[str, dict[str, Any]]) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from rackmend import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend import CompressionConfig, ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.codecs import CODECS
+from rackmend.config import APPLY_RULES, MERGES, RunConfig, field_docs, literal_choices
 
 
 @pytest.mark.parametrize(
@@ -48,3 +52,52 @@ def test_outer_kwargs_mismatch_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="outer_kwargs"):
         SyncerConfig(outer_optimizer="Adam", outer_kwargs={"nesterov": True})
     assert SyncerConfig(outer_optimizer="Adam").resolved_outer_kwargs() == {}
+
+
+CONFIGS = (ScheduleConfig, SyncerConfig, LearnerConfig, CompressionConfig, RunConfig, RackmendConfig)
+
+
+def test_every_field_has_a_docstring() -> None:
+    for cls in CONFIGS:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert len(docs.get(f.name, "")) > 10, f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_choice_fields_are_literal_typed() -> None:
+    found = {(cls.__name__, name): allowed for cls in CONFIGS for name, allowed in literal_choices(cls).items()}
+    assert {("ScheduleConfig", "packing"), ("SyncerConfig", "weighting"), ("SyncerConfig", "merge"),
+            ("SyncerConfig", "anchoring"), ("LearnerConfig", "apply")} <= set(found)
+    assert found[("SyncerConfig", "merge")] == MERGES and found[("LearnerConfig", "apply")] == APPLY_RULES
+
+
+@pytest.mark.parametrize("cls,name", [(cls, name) for cls in (ScheduleConfig, SyncerConfig, LearnerConfig)
+                                      for name in literal_choices(cls)])
+def test_a_literal_field_rejects_other_values_listing_the_allowed(cls, name: str) -> None:
+    allowed = literal_choices(cls)[name]
+    for value in allowed:
+        assert getattr(cls(**{name: value}), name) == value
+    with pytest.raises(ConfigError) as err:
+        cls(**{name: allowed[0][:-1].title()})  # a typo: a letter short, capitalised
+    text = str(err.value)
+    assert text.startswith(f"{name}=") and all(a in text for a in allowed), text
+    assert f"did you mean {allowed[0]!r}" in text, text  # the typo's closest value
+    with pytest.raises(ConfigError, match="one of"):
+        cls(**{name: "zzzzzzzz"})
+
+
+def test_codec_names_are_checked_against_the_registry() -> None:
+    with pytest.raises(ConfigError, match="compression.uplink='int9'.*" + ".*".join(CODECS)):
+        CompressionConfig(uplink="int9")
+
+
+def test_the_syncer_config_has_no_learner_part() -> None:
+    run = RunConfig(deterministic=True)
+    assert {f.name for f in dataclasses.fields(RunConfig)} == {"schedule", "syncer", "compression", "deterministic"}
+    full = RackmendConfig(deterministic=True)
+    assert isinstance(full, RunConfig) and full.apply_rule() == "overwrite"
+    assert not hasattr(run, "apply_rule") and run.replace(deterministic=False).deterministic is False
+    schedule = ScheduleConfig()
+    schedule.packing = "stripes"  # type: ignore[assignment]  # set after its own check
+    with pytest.raises(ConfigError, match="packing='stripes'.*balanced, strided"):
+        RunConfig(schedule=schedule)  # a part's values are checked again

@@ -75,17 +75,20 @@ def test_loss_interpolation() -> None:
     assert loss_at_tokens(pts, 50) is None and loss_at_tokens(pts, 200) is None
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
-    """Two learner processes, a real syncer, emulated links, one learner fail-slow."""
+    """Two learner processes, a real syncer, emulated links, one learner fail-slow: the
+    syncer flags it in its slow window and restores it, and the report says so."""
     s = RunSettings(
-        learners=2, duration_s=6.0, batch_size=4, sync_every=8, fragments=2, overlap=1, evals=3,
+        learners=2, duration_s=10.0, batch_size=4, sync_every=8, fragments=2, overlap=1, evals=3,
         arms=("rackmend", "local"), model=TINY, heartbeat_timeout_s=5.0,
-        # Fast enough for what two tiny learners send (~15 Mbit/s each): a link slower
-        # than its learner's output queues contributions behind each other.
+        # A tiny model's 1 ms steps vary many times over on a shared machine; paced to
+        # 25 ms, the learners' speed is steady enough for a x4 to stand out.
+        min_step_s=0.025,
         link=LinkPlan(bandwidth_mbit=200.0, latency_ms=10.0, jitter=0.5),
-        faults=FaultPlan(kill_learner=None, worse_link_learner=None, slow_learner=1, slow_from=0.3,
-                         slow_until=0.7, slow_factor=3.0),
+        # The window opens after 4 s (~150 steps): the demo's 64-step baseline is learnt.
+        faults=FaultPlan(kill_learner=None, worse_link_learner=None, slow_learner=1, slow_from=0.4,
+                         slow_until=0.7, slow_factor=4.0),
     )
     runs = [run_arm(spec, s, tmp_path / "raw" / name) for name, spec in arm_specs(s).items()]
     out = tmp_path / "report"
@@ -112,8 +115,27 @@ def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
     slow = [r["compute"] for r in rm.steps["learner1"] if r["slow"]]
     fast = [r["compute"] for r in rm.steps["learner1"] if not r["slow"]]
     assert slow and fast and statistics.median(slow) > 2 * statistics.median(fast)
+    assert statistics.median(fast) >= s.min_step_s  # paced
     steps_lines = (out / "steps.jsonl").read_text().splitlines()
     assert len(steps_lines) == sum(ls.steps for r in runs for ls in r.learners)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert any(e["arm"] == "rackmend" and e["event"] == "merge" for e in events)
     assert any(e["event"] == "fault_slow" for e in events)
+
+    # Fail-slow detection in the syncer's log: learner1 flagged (with its rank) inside its
+    # window, so rounds stopped waiting for it, and restored once its steps were back.
+    lo, hi = 0.4 * s.duration_s, 0.7 * s.duration_s
+    syncer_log = [e for e in rm.events if e.get("event", "").startswith("failslow_")]
+    flags = [e for e in syncer_log if e["event"] == "failslow_slow" and e["learner"] == "learner1"
+             and lo <= e["t"] <= hi]
+    assert flags, syncer_log
+    flag = flags[0]
+    assert flag["rank"] == 0 and flag["ratio"] > 2 and "rounds stop waiting" in flag["reason"], flag
+    restores = [e for e in syncer_log if e["event"] == "failslow_restore" and e["learner"] == "learner1"
+                and e["t"] > flag["t"]]
+    assert restores, syncer_log
+    assert max(e["t"] for e in restores) >= hi, syncer_log  # restored after the window, not only inside it
+    # While flagged it was not expected: no merge counted it as an absent, awaited learner.
+    while_flagged = [m for m in rm.merges() if flag["t"] < m["t"] < restores[0]["t"]]
+    assert while_flagged and all("learner1" not in m["absent"] for m in while_flagged)
+    assert "fail-slow detection: the syncer flagged learner1 (rank 0)" in report, report

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from failslow import windows  # noqa: E402
 
+from helpers import free_port, metric, scrape  # noqa: E402
 from procs import events, wait_for  # noqa: E402
 from rackmend import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig  # noqa: E402
 from rackmend.core import (  # noqa: E402
@@ -33,6 +34,7 @@ from rackmend.core import (  # noqa: E402
     SyncerCore,
     TensorSpec,
 )
+from rackmend.service.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rackmend.transport import wire  # noqa: E402
 
 
@@ -110,7 +112,7 @@ N = 4
 STEPS = 4  # inner steps per contribution (each learner sends one fragment per round)
 
 
-def make_core(**syncer) -> SyncerCore:
+def make_core(join: bool = True, **syncer) -> SyncerCore:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=1),
         # A grace window of tau (not H - tau) steps: Fleet never ticks, and its rounds stay
@@ -121,7 +123,7 @@ def make_core(**syncer) -> SyncerCore:
                             failslow_advise_after=20, failslow_evict_cost=6.0, **syncer),
     )
     core = SyncerCore(config, [FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),))], [[torch.zeros(N)]])
-    for lid in "abc":
+    for lid in "abc" if join else "":
         core.handle(LearnerJoined(lid), 0.0)
     return core
 
@@ -218,6 +220,51 @@ def test_a_slowdown_the_whole_fleet_shares_is_not_fail_slow() -> None:
     assert core.expected_learners() == {"a", "b", "c"}
 
 
+def test_detector_state_survives_a_syncer_checkpoint(tmp_path: Path) -> None:
+    """Baselines, CUSUMs and the ladder go through a checkpoint file and back: a learner
+    flagged before the restart is still flagged (and not waited for) after its rejoin,
+    and the resumed syncer then reaches the same verdicts as one that never stopped."""
+    core = make_core()
+    fleet = Fleet(core)
+    for _ in range(70):
+        fleet.round()
+    for _ in range(8):
+        fleet.round(factor=2.0)
+    assert core.failslow is not None and core.failslow.is_slow("c")
+    assert core.expected_learners() == {"a", "b"}
+    before = core.failslow.state_dict()
+    save_checkpoint(tmp_path, *core.state_dict())
+    loaded = load_checkpoint(tmp_path)
+    assert loaded is not None
+
+    resumed = make_core(join=False)
+    resumed.load_state_dict(*loaded)
+    assert resumed.failslow is not None and resumed.failslow.state_dict() == before
+    for lid in "abc":  # the learners' hellos to the restarted syncer
+        resumed.handle(LearnerJoined(lid), fleet.now)
+    assert resumed.failslow.state_dict() == before
+    assert resumed.failslow.is_slow("c") and resumed.expected_learners() == {"a", "b"}
+
+    twin = Fleet(resumed)
+    twin.now, twin.step = fleet.now, fleet.step
+    twin.rng.setstate(fleet.rng.getstate())
+    seen = len(fleet.log)
+    for f in (fleet, twin):
+        for _ in range(4):
+            f.round(factor=2.0)
+        for _ in range(30):
+            f.round()
+    after = [r for r in fleet.log[seen:] if r["event"].startswith("failslow_")]
+    assert "failslow_restore" in [r["event"] for r in after]
+    assert [r for r in twin.log if r["event"].startswith("failslow_")] == after
+    assert resumed.expected_learners() == {"a", "b", "c"}
+    assert resumed.failslow.state_dict() == core.failslow.state_dict()
+
+    # A later rejoin (not the first after the restart) starts the learner's baseline anew.
+    resumed.handle(LearnerJoined("c"), twin.now)
+    assert not any(lid == "c" for lid, _ in resumed.failslow.detectors)
+
+
 def test_off_and_deterministic_runs_have_no_detector() -> None:
     assert make_core(failslow=False).failslow is None
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1, overlap=0),
@@ -270,7 +317,9 @@ def test_contribution_rank_timing_round_trips_and_old_messages_stay_valid() -> N
 def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path: Path) -> None:
     flags = ["--learners", "l0,l1", "--failslow-baseline-steps", "64", "--failslow-min-steps", "8",
              "--failslow-advise-after", "0", "--grace-max", "0.5"]
-    syncer, endpoint = procs.syncer(*flags)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    syncer, endpoint = procs.syncer(*flags, "--metrics-port", str(port))
     common = ["--step-sleep", "0.03", "--learners", "l0,l1"]
     fast = procs.learner(endpoint, "l0", "--steps", "320", *common)
     slow = procs.learner(endpoint, "l1", "--steps", "320", *common, "--slow-from", "120", "--slow-until", "200",
@@ -288,12 +337,20 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
     wait_for(injected, 60, "the slow learner to be flagged", alive)
     flag = injected()[0]
     assert flag["learner"] == "l1" and flag["rank"] == 0, flag
+    # The slow window lasts 80 steps (7 s or more): the metrics show l1 as slow meanwhile.
+    wait_for(lambda: metric(scrape(url), "rackmend_learner_failslow_state", learner="l1") == 1, 30,
+             "the metrics to show l1 as slow", alive)
     # The fast learner may finish first (it has no slow window to sit out).
     wait_for(lambda: [e for e in named("failslow_restore") if e["t"] > flag["t"]], 60,
              "the slow learner to be restored", (syncer, slow))
     assert [e["learner"] for e in named("failslow_restore") if e["t"] > flag["t"]][0] == "l1"
     for p in (fast, slow):
         assert p.wait(60) == 0
+    wait_for(lambda: metric(scrape(url), "rackmend_learner_connected") == 0, 30, "both leaves in the metrics")
+    final = scrape(url)  # nothing happens any more: every ladder step counted equals the log's
+    for kind in ("blip", "slow", "advise", "evict", "restore"):
+        assert metric(final, "rackmend_failslow_events_total", event=kind) == len(named(f"failslow_{kind}")), kind
+    assert metric(final, "rackmend_learner_failslow_state") == 0  # both left: their cases are closed
     out = procs.output("l1")
     assert "the syncer reports rank 0 fail-slow: 2." in out or "the syncer reports rank 0 fail-slow: 3." in out, out
     assert "back at normal speed" in out

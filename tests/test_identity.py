@@ -24,7 +24,7 @@ from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import make_model
-from procs import Procs, events, wait_for
+from procs import Procs, events, finish, wait_for
 from test_trust import CONFIG, Raw
 
 # The learner processes train with the raw clients' settings (test_trust.CONFIG): H=4, P=2, tau=1.
@@ -157,6 +157,38 @@ def test_with_curve_a_key_speaks_only_as_its_learner_ids(procs: Procs, tmp_path:
     assert [(e["learner"], e["type"]) for e in denied] == [("l1", "contrib"), ("l1", "hello")]
     assert sorted(e["learner"] for e in ev if e["event"] == "join") == ["l0", "l1"]
     assert real.poll() is None and merges_of(tmp_path, "l1") >= 3
+
+
+def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Procs, tmp_path: Path) -> None:
+    # Anyone who can reach the port can open connections with keys of their own making:
+    # the log must not grow with them.
+    import signal
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("syncer", "l0", "eve"):
+        _keygen(keys, name)
+    allowed.mkdir()
+    (allowed / "l0.key").write_bytes((keys / "l0.key").read_bytes())
+    syncer, endpoint = procs.syncer(*SYNCER_FLAGS, "--secret-key", str(keys / "syncer.key_secret"),
+                                    "--allowed-keys", str(allowed), "--log-burst", "2")
+    strangers = [_curve_raw(endpoint, "eve", keys, "eve") for _ in range(12)]  # one refusal each
+    try:
+        for raw in strangers:
+            raw.sock.send(b"x")
+        wait_for(lambda: sum(1 for e in events(tmp_path) if e["event"] == "auth_denied") >= 2, 30,
+                 "the first refusals", (syncer,))
+        time.sleep(2.0)
+    finally:
+        for raw in strangers:
+            raw.close()
+    syncer.send_signal(signal.SIGINT)
+    finish(syncer, procs, "syncer")
+    ev = events(tmp_path)
+    denied = [e for e in ev if e["event"] == "auth_denied"]
+    summaries = [e for e in ev if e["event"] == "suppressed" and e["of"] == "auth_denied"]
+    assert len(denied) <= 2 * len(summaries) + 2, (len(denied), summaries)
+    assert len(denied) + sum(e["count"] for e in summaries) == 12, (len(denied), summaries)
+    assert all("eve" not in e.get("learner", "") for e in denied)
 
 
 def test_keygen_learners_names_the_ids_a_key_may_use(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
-"""Syncer options: flag > environment > TOML file > default, and the safety checks."""
+"""Syncer options: flag > environment > TOML file > default, the safety checks, and that
+every option is a config dataclass field (name, default, docstring, allowed values)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -12,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from rackmend.config import ConfigError
+from rackmend.config import (
+    CompressionConfig,
+    ConfigError,
+    LearnerConfig,
+    RunConfig,
+    ScheduleConfig,
+    SyncerConfig,
+    field_docs,
+    literal_choices,
+)
 from rackmend.service import ServiceConfig
-from rackmend.service.cli import OPTIONS, add_syncer_arguments, build, resolve
+from rackmend.service.cli import OPTIONS, add_syncer_arguments, build, config_flags, options_markdown, resolve
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -121,3 +132,155 @@ def test_count_absent_is_on_by_default_and_can_be_turned_off() -> None:
     assert build(resolve(parse(), {"RACKMEND_COUNT_ABSENT": "off"}))[0].syncer.count_absent is False
     with pytest.raises(ConfigError, match="--count-absent"):
         resolve(parse("--count-absent", "maybe"), {})
+
+
+# ---------------------------------------------------------------- one source: the dataclasses
+
+SYNCER_PARTS = {ServiceConfig: None, ScheduleConfig: ("overlap",), SyncerConfig: None, CompressionConfig: None,
+                RunConfig: ("deterministic",)}
+"""Which fields of which dataclass the syncer takes (None: all): the learners set H, P,
+packing, sync_buffers and the apply rule and report them at hello."""
+
+
+def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
+    by_field = {(o.owner, o.field): o for o in OPTIONS}
+    expected = [(owner, f.name) for owner, only in SYNCER_PARTS.items() for f in dataclasses.fields(owner)
+                if only is None or f.name in only]
+    assert sorted(by_field, key=str) == sorted(expected, key=str)
+    out = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    squashed = "".join(out.split()).replace("``", "`")  # argparse re-wraps the text
+    for (owner, name), o in by_field.items():
+        doc = field_docs(owner)[name]
+        assert doc and o.help == " ".join(doc.split()), (owner, name)
+        assert "".join(doc.split()).replace("``", "`") in squashed, f"{o.flag}: help is not the docstring"
+        default = next(f for f in dataclasses.fields(owner) if f.name == name)
+        value = default.default_factory() if default.default is dataclasses.MISSING else default.default
+        assert o.to_field(o.default) == value, o.name
+
+
+def test_learner_only_settings_are_not_syncer_options(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    learner_fields = [f.name for f in dataclasses.fields(LearnerConfig)]
+    assert {"apply", "mix_alpha", "tokens_per_step", "wait_timeout", "join_timeout"} <= set(learner_fields)
+    names = {o.name for o in OPTIONS}
+    for name in learner_fields + ["sync_every", "num_fragments", "packing", "sync_buffers"]:
+        assert name not in names
+        with pytest.raises(SystemExit):
+            parse("--" + name.replace("_", "-"), "1")
+    f = tmp_path / "syncer.toml"
+    f.write_text('apply = "mix"\n')
+    with pytest.raises(ConfigError, match="unknown options apply"):
+        resolve(parse("--config", str(f)), {})
+    with caplog.at_level(logging.WARNING, logger="rackmend.syncer"):
+        resolve(parse(), {"RACKMEND_WAIT_TIMEOUT": "5"})
+    assert "ignoring environment variable RACKMEND_WAIT_TIMEOUT" in caplog.text
+    config, _ = build(resolve(parse(), {}))
+    assert type(config) is RunConfig and not hasattr(config, "learner")
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.choices], ids=lambda o: o.name)
+def test_a_choice_option_refuses_other_values_naming_them(option, tmp_path: Path) -> None:
+    allowed = literal_choices(option.owner)[option.field]
+    assert option.choices == allowed
+    typo = allowed[-1][:-1]  # one letter short: close enough for a suggestion
+    with pytest.raises(ConfigError) as err:
+        resolve(parse(), {option.env: typo})
+    text = str(err.value)
+    assert text.startswith(option.env) and all(a in text for a in allowed), text
+    assert f"did you mean {allowed[-1]!r}" in text, text
+    f = tmp_path / "syncer.toml"
+    f.write_text(f'{option.name} = "zzz"\n')
+    with pytest.raises(ConfigError, match=f"{f}:{option.name}: .*{'.*'.join(allowed)}"):
+        resolve(parse("--config", str(f)), {})
+    for value in allowed:  # and every allowed value goes through to the config
+        config, _ = build(resolve(parse(option.flag, value), {}))
+        assert getattr(config.syncer if option.owner is SyncerConfig else config, option.field) == value
+
+
+def test_a_bad_choice_fails_at_start_with_the_allowed_values() -> None:
+    cmd = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
+    flag = subprocess.run([*cmd, "--merge", "median"], capture_output=True, text=True, timeout=60)
+    assert flag.returncode == 2 and "--merge" in flag.stderr and "'mean'" in flag.stderr and "'rda'" in flag.stderr
+    env = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RACKMEND_WEIGHTING": "token"})
+    assert env.returncode == 2, env.stdout
+    assert "RACKMEND_WEIGHTING" in env.stderr and "tokens_sq_per_step, tokens, uniform" in env.stderr
+    assert "did you mean 'tokens'" in env.stderr and "listening" not in env.stdout
+
+
+def test_switches_on_by_default_turn_off_at_every_level(tmp_path: Path) -> None:
+    f = tmp_path / "syncer.toml"
+    f.write_text("no_failslow = true\ncount_absent = false\n")
+    failslow = lambda *argv, env={}: build(resolve(parse("--config", str(f), *argv), env))[0].syncer.failslow
+    assert failslow() is False                                          # file (old key)
+    assert failslow(env={"RACKMEND_FAILSLOW": "yes"}) is True           # environment over file
+    assert failslow("--no-failslow", env={"RACKMEND_FAILSLOW": "yes"}) is False  # flag over environment
+    assert failslow("--failslow", env={"RACKMEND_NO_FAILSLOW": "1"}) is True
+    assert failslow("--failslow", "false") is False
+    assert build(resolve(parse("--config", str(f)), {}))[0].syncer.count_absent is False
+    assert build(resolve(parse("--config", str(f), "--count-absent"), {}))[0].syncer.count_absent is True
+    with pytest.raises(ConfigError, match="RACKMEND_FAILSLOW and RACKMEND_NO_FAILSLOW"):
+        resolve(parse(), {"RACKMEND_FAILSLOW": "1", "RACKMEND_NO_FAILSLOW": "1"})
+    assert build(resolve(parse(), {}))[0].syncer.failslow is True
+    _, service = build(resolve(parse("--resume", "--checkpoint-dir", str(tmp_path)), {}))
+    assert service.resume is True
+
+
+def test_numbers_are_not_truncated_and_units_convert(tmp_path: Path) -> None:
+    f = tmp_path / "syncer.toml"
+    f.write_text("min_quorum = 2.5\n")
+    with pytest.raises(ConfigError, match="min_quorum.*whole number"):
+        resolve(parse("--config", str(f)), {})
+    f.write_text("min_quorum = 2.0\nmax_message_mb = 1.5\n")
+    config, service = build(resolve(parse("--config", str(f)), {}))
+    assert config.syncer.min_quorum == 2 and service.max_message_bytes == 3 * 2**19
+    assert build(resolve(parse(), {}))[1].max_message_bytes is None
+
+
+def test_every_earlier_flag_still_parses(tmp_path: Path) -> None:
+    """The names docs, scripts and tests have used since the first release."""
+    key = tmp_path / "syncer.key_secret"
+    argv = ["--bind", "tcp://127.0.0.1:0", "--insecure", "--secret-key", str(key), "--allowed-keys", str(tmp_path),
+            "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3", "--resume", "--heartbeat-timeout", "4",
+            "--max-message-mb", "2", "--takeover-after", "6", "--log", str(tmp_path / "e.jsonl"), "--log-burst", "7",
+            "--init-timeout", "8", "--ready-file", str(tmp_path / "r"), "--overlap", "1", "--min-quorum", "2",
+            "--learners", "a,b", "--grace-max", "1.5", "--grace-gamma", "0.5", "--weighting", "uniform",
+            "--merge", "rda", "--outer-optimizer", "Adam", "--outer-lr", "0.5", "--outer-kwargs", '{"eps": 1e-6}',
+            "--anchoring", "learner_base", "--max-staleness", "9", "--count-absent", "false", "--norm-guard", "0",
+            "--no-failslow", "--failslow-min-slowdown", "0.2", "--failslow-min-steps", "11",
+            "--failslow-false-alarm-steps", "1e6", "--failslow-baseline-steps", "64", "--failslow-advise-after", "5",
+            "--failslow-evict-cost", "60", "--uplink-codec", "int8", "--downlink-codec", "int4", "--deterministic"]
+    values = resolve(parse(*argv), {})
+    assert values["failslow"] is False and values["deterministic"] is True
+    run = RunConfig(
+        schedule=ScheduleConfig(sync_every=2, num_fragments=1, overlap=1),
+        syncer=SyncerConfig(min_quorum=2, learners=("a", "b"), grace_max=1.5, grace_gamma=0.5, weighting="uniform",
+                            merge="rda", outer_optimizer="Adam", outer_lr=0.5, outer_kwargs={"eps": 1e-6},
+                            anchoring="learner_base", max_staleness=9, count_absent=False, norm_guard=0,
+                            failslow=False, failslow_min_slowdown=0.2, failslow_min_steps=11,
+                            failslow_false_alarm_steps=1e6, failslow_baseline_steps=64, failslow_advise_after=5,
+                            failslow_evict_cost=60),
+        compression=CompressionConfig(uplink="int8", downlink="int4"), deterministic=True)
+    config, service = build(values)
+    assert config == run
+    assert (service.bind, service.insecure, service.secret_key_file, service.allowed_keys_dir, service.checkpoint_dir,
+            service.log_path) == ("tcp://127.0.0.1:0", True, str(key), str(tmp_path), str(tmp_path),
+                                  str(tmp_path / "e.jsonl"))
+    assert (service.checkpoint_every, service.resume, service.heartbeat_timeout, service.max_message_bytes,
+            service.takeover_after, service.log_burst, service.init_timeout, service.ready_file) == (
+        3, True, 4.0, 2 * 2**20, 6.0, 7, 8.0, str(tmp_path / "r"))
+    assert build(resolve(parse(*config_flags(run)), {}))[0] == run  # and back to flags
+
+
+def test_the_docs_table_is_the_generated_one() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "multinode.md").read_text(encoding="utf-8")
+    marker = "<!-- generated by `rackmend syncer --help-markdown`"
+    assert marker in text
+    after = text.split(marker, 1)[1].split("\n", 1)[1].lstrip("\n")
+    table = after[:after.index("\n\n") + 1] if "\n\n" in after else after
+    printed = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help-markdown"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    assert printed == options_markdown()
+    assert table == printed, "docs/multinode.md: paste the output of `rackmend syncer --help-markdown`"
+    rows = table.splitlines()[2:]
+    assert len(rows) == len(OPTIONS) and all(line.count(" | ") == 4 for line in rows)  # no cell split by a '|'

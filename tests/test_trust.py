@@ -75,7 +75,7 @@ def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field
     rejected = events(core.handle(bad, 0.0), "reject")
     core.handle(contrib("a", torch.full((N,), 1.0)), 0.1)
     actions = core.handle(Tick(), 5.0)
-    assert rejected and "bound" in rejected[0]["reason"], rejected
+    assert rejected and "bound" in rejected[0]["reason"] and rejected[0]["code"] == "bounds", rejected
     (m,) = events(actions, "merge")
     assert m["merged"] == ["a"]
     assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
@@ -150,6 +150,18 @@ def test_guard_allows_for_the_steps_behind_a_send(steps: int, clipped: bool) -> 
     assert bool(guards) == clipped, guards
     if clipped:
         assert guards[0]["c_steps"] == 8 and guards[0]["usual_steps"] == 8 and guards[0]["norm"] == pytest.approx(norm)
+
+
+def test_guard_allows_for_a_base_versions_behind() -> None:
+    # A learner whose updates stop arriving trains on from its old base and sends the
+    # drift since that base every time: one usual period more per version behind.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    median = sorted(core.norms[0])[len(core.norms[0]) // 2]
+    big = torch.full((N,), 1.0)
+    big *= 45 * median / torch.linalg.vector_norm(big).item()  # 45x: over 30, under 30 x 2
+    assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), "guard")
+    assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), "guard")
 
 
 def test_guard_allowance_for_claimed_steps_is_capped() -> None:
@@ -340,7 +352,7 @@ def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-
         f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
         "a replay was merged too")
     replays = [r for r in records if r["event"] == "reject" and "replay" in r["reason"]]
-    assert len(replays) == 2
+    assert len(replays) == 2 and {r["code"] for r in replays} == {"replay"}
 
 
 @pytest.mark.parametrize("field,value", [("c_tokens", 1e200), ("c_tokens", float(2**63 - 1)),

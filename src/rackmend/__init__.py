@@ -4,7 +4,7 @@ Learners train with plain PyTorch and every few steps trade parameter fragments
 with a syncer that merges whatever arrived (Decoupled DiLoCo). Layout:
 
 - ``rackmend.core``: sans-I/O algorithm (fragments, merge, syncer state machine)
-- ``rackmend.learner``: the optimizer wrapper used in a training loop
+- ``rackmend.learner``: the optimizer wrapper used in a training loop, ``enable_async_tp``
   (``rackmend.learner.hf``: the Hugging Face ``Trainer`` hook-up, imported on demand)
 - ``rackmend.compat``: the earlier tsugi-mend SDK's API over rackmend (docs/migration.md)
 - ``rackmend.transport``: carriers between learners and syncer
@@ -18,11 +18,12 @@ from rackmend.config import (
     CompressionConfig,
     LearnerConfig,
     RackmendConfig,
+    RunConfig,
     ScheduleConfig,
     SyncerConfig,
 )
 from rackmend.core import FailSlowReport, FragmentSpec, SyncerCore, pack_fragments
-from rackmend.learner import RackmendOptimizer
+from rackmend.learner import AsyncTPUnavailable, RackmendOptimizer, enable_async_tp
 from rackmend.service.export import ExportError, ExportResult, export_model
 from rackmend.transport import InProcessSyncer, ZmqLink
 
@@ -33,6 +34,7 @@ __all__ = [
     "CompressionConfig",
     "LearnerConfig",
     "RackmendConfig",
+    "RunConfig",
     "ScheduleConfig",
     "SyncerConfig",
     "FailSlowReport",
@@ -40,6 +42,8 @@ __all__ = [
     "SyncerCore",
     "pack_fragments",
     "RackmendOptimizer",
+    "enable_async_tp",
+    "AsyncTPUnavailable",
     "export_model",
     "ExportError",
     "ExportResult",

@@ -1,15 +1,24 @@
 """Configuration: kw-only dataclasses shared by the learner, the syncer and the CLI.
 
 Every field carries a docstring; ``validate()`` (run from ``__post_init__``) rejects a
-bad value with a message naming the field and saying what to change. Nothing here
-touches tensors, sockets or clocks.
+bad value with a message naming the field and saying what to change. A field with a
+fixed set of values is typed ``Literal[...]``, and that annotation is the one list of
+allowed values: ``validate()``, the ``rackmend syncer`` options and their help read it
+(``literal_choices``), as they read help text from the field docstrings
+(``field_docs``). Nothing here touches tensors, sockets or clocks.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
+import inspect
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Iterable, Literal, Self
 
 import torch
 
@@ -22,19 +31,43 @@ __all__ = [
     "ScheduleConfig",
     "SyncerConfig",
     "LearnerConfig",
+    "RunConfig",
     "RackmendConfig",
+    "Weighting",
+    "Merge",
+    "ApplyRule",
+    "Packing",
+    "Anchoring",
     "WEIGHTINGS",
     "MERGES",
     "APPLY_RULES",
     "PACKINGS",
     "ANCHORINGS",
+    "OPTION",
+    "OPTION_SCALE",
+    "check_choice",
+    "field_docs",
+    "literal_choices",
 ]
 
-WEIGHTINGS = ("tokens_sq_per_step", "tokens", "uniform")
-MERGES = ("mean", "rda")
-APPLY_RULES = ("auto", "overwrite", "mix", "keep_local")
-PACKINGS = ("balanced", "strided")
-ANCHORINGS = ("learner_base", "syncer")
+Weighting = Literal["tokens_sq_per_step", "tokens", "uniform"]
+Merge = Literal["mean", "rda"]
+ApplyRule = Literal["auto", "overwrite", "mix", "keep_local"]
+Packing = Literal["balanced", "strided"]
+Anchoring = Literal["learner_base", "syncer"]
+WEIGHTINGS: tuple[str, ...] = typing.get_args(Weighting)
+MERGES: tuple[str, ...] = typing.get_args(Merge)
+APPLY_RULES: tuple[str, ...] = typing.get_args(ApplyRule)
+PACKINGS: tuple[str, ...] = typing.get_args(Packing)
+ANCHORINGS: tuple[str, ...] = typing.get_args(Anchoring)
+
+OPTION = "rackmend.option"
+"""``dataclasses.field`` metadata key: the field's name as a ``rackmend syncer`` option
+(flag, TOML key, ``RACKMEND_*`` variable) where it differs from the field's own name,
+e.g. ``uplink_codec`` for ``CompressionConfig.uplink``."""
+OPTION_SCALE = "rackmend.option_scale"
+"""``dataclasses.field`` metadata key: the option's value times this is the field's
+value (``max_message_mb`` in MiB for ``ServiceConfig.max_message_bytes``)."""
 
 
 class ConfigError(ValueError):
@@ -46,8 +79,66 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    _check(value in allowed, f"{name}={value!r} is not known; use one of {', '.join(allowed)}")
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """ConfigError unless ``value`` is one of ``allowed``; the message lists them and, for
+    a near miss, names the closest."""
+    if value in allowed:
+        return
+    lowered = {a.lower(): a for a in allowed}
+    close = difflib.get_close_matches(str(value).lower(), list(lowered), n=1, cutoff=0.6)
+    hint = f"; did you mean {lowered[close[0]]!r}?" if close else ""
+    raise ConfigError(f"{name}={value!r} is not known; set {name} to one of {', '.join(allowed)}{hint}")
+
+
+@functools.cache
+def literal_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """Field name -> allowed values, for each field of dataclass ``cls`` typed
+    ``Literal[...]`` (alone or with ``| None``)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[str, ...]] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is Literal:
+            out[f.name] = typing.get_args(hint)
+        elif len(args) == 1 and typing.get_origin(args[0]) is Literal:
+            out[f.name] = typing.get_args(args[0])
+    return out
+
+
+def _check_choices(config: Any) -> None:
+    for name, allowed in literal_choices(type(config)).items():
+        value = getattr(config, name)
+        if value is not None:
+            check_choice(name, value, allowed)
+
+
+@functools.cache
+def _top_level_classes(filename: str) -> dict[str, ast.ClassDef]:
+    tree = ast.parse(Path(filename).read_text(encoding="utf-8"), filename)
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its docstring (the string literal under the field in the class body,
+    dedented), for dataclass ``cls`` and the dataclasses it inherits from. Read from the
+    source (each module parsed once), so the text stays where a reader of the class sees
+    it; ``cls`` must be defined at the top level of its module."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        filename = inspect.getsourcefile(klass)
+        node = _top_level_classes(filename).get(klass.__name__) if filename else None
+        if node is None:  # no source shipped (a frozen or .pyc-only install), or a nested class
+            raise RuntimeError(f"cannot read the field docstrings of {klass.__qualname__}: no source for it")
+        for stmt, nxt in zip(node.body, node.body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                out[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return out
 
 
 @dataclass(kw_only=True)
@@ -64,9 +155,10 @@ class ScheduleConfig:
     overlap: int = 2
     """tau: inner steps a learner keeps computing between sending a fragment and
     applying the merged value. 0 applies at once (blocking in deterministic mode).
-    Must be < sync_every."""
+    Must be < sync_every. The syncer's grace window depends on it: it is started with
+    the same value (``rackmend syncer --overlap``) and refuses a learner with another."""
 
-    packing: str = "balanced"
+    packing: Packing = "balanced"
     """How tensors go into fragments: ``balanced`` (greedy bin-packing of whole
     tensors by bytes) or ``strided`` (block i of the model's repeated block list
     goes to fragment i mod P; other tensors fill the lightest fragment)."""
@@ -89,7 +181,7 @@ class ScheduleConfig:
             "a fragment's merged value must land before the fragment is due again; "
             "lower overlap or raise sync_every",
         )
-        _one_of("packing", self.packing, PACKINGS)
+        _check_choices(self)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,7 +195,8 @@ class SyncerConfig:
     """K: contributions (from distinct learners) a round needs before it can end."""
 
     learners: tuple[str, ...] = ()
-    """The expected roster, if known in advance. Rounds end early once every expected,
+    """Ids of the expected learners, if known in advance (comma-separated in a flag or an
+    environment variable, a list in TOML). Rounds end early once every expected,
     healthy learner is in. The syncer service also refuses any other id at join.
     Empty: every learner that joins is expected."""
 
@@ -125,11 +218,11 @@ class SyncerConfig:
     """Weight of the old value in the moving averages of step, quorum and sync times
     (0 = only the newest sample counts)."""
 
-    weighting: str = "tokens_sq_per_step"
+    weighting: Weighting = "tokens_sq_per_step"
     """Contribution weight: ``tokens_sq_per_step`` (c_tokens**2 / c_steps: more work and
     faster work weigh more), ``tokens`` (c_tokens) or ``uniform``."""
 
-    merge: str = "mean"
+    merge: Merge = "mean"
     """``mean`` (weighted average of outer gradients) or ``rda`` (radial-directional:
     weighted mean norm times the direction of the weighted mean of unit vectors,
     per tensor; embedding tensors always use mean)."""
@@ -148,12 +241,13 @@ class SyncerConfig:
     negative merge gains (``merge_harmful`` in the log), too low as slow progress."""
 
     outer_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments for the outer optimizer's constructor. None: no momentum
+    """Extra keyword arguments for the outer optimizer's constructor (a JSON object on the
+    command line, e.g. ``{"momentum": 0.9}``). None: no momentum
     for SGD (see ``outer_lr``), torch's defaults for any other optimizer. DiLoCo's large-
     model setting is ``{"momentum": 0.9, "nesterov": True}`` with ``outer_lr=0.7``; it
     suits long periods (H in the hundreds), not short ones."""
 
-    anchoring: str = "syncer"
+    anchoring: Anchoring = "syncer"
     """How a stale contribution (based on an older version than the current one) is
     applied: ``syncer`` re-anchors it on the current value (delta + theta_now -
     theta_base, the Decoupled DiLoCo reading; the syncer keeps the last
@@ -183,7 +277,10 @@ class SyncerConfig:
     norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
     ``norm_guard`` x the median norm of the last ``GUARD_WINDOW`` (32) unclipped
-    contributions is clipped to that bound (logged as ``guard`` with both norms). No guard
+    contributions, times how much more work than usual it holds (its steps over the
+    usual, plus one per version its base is behind; 1 to ``GUARD_STEPS_CAP`` = 64), is
+    clipped to that bound (logged as ``guard`` with both
+    norms and both step counts). No guard
     until ``GUARD_MIN_NORMS`` (5) nonzero norms are known. Clipped rather than rejected:
     an honest learner back from a long outage legitimately sends a larger gradient, and
     clipping keeps its direction and work while capping what any one send can move.
@@ -265,9 +362,7 @@ class SyncerConfig:
             f"grace_gamma must lie in (0, 1], got {self.grace_gamma}; 0.8 is a safe choice",
         )
         _check(0 <= self.ema_decay < 1, f"ema_decay must lie in [0, 1), got {self.ema_decay}")
-        _one_of("weighting", self.weighting, WEIGHTINGS)
-        _one_of("merge", self.merge, MERGES)
-        _one_of("anchoring", self.anchoring, ANCHORINGS)
+        _check_choices(self)
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _check(
             self.norm_guard == 0 or self.norm_guard >= 1,
@@ -309,7 +404,7 @@ class SyncerConfig:
 class LearnerConfig:
     """How a learner applies merged values it receives."""
 
-    apply: str = "auto"
+    apply: ApplyRule = "auto"
     """``overwrite`` (theta <- merged), ``mix`` (theta <- alpha*theta + (1-alpha)*merged),
     ``keep_local`` (theta <- merged + progress made since the send) or ``auto``:
     ``overwrite`` in deterministic mode (the value always arrives at t_send + tau, as in
@@ -343,8 +438,16 @@ class LearnerConfig:
     started well before the syncer, or when the first learner's initial upload over a
     slow link takes longer (every learner waits for it)."""
 
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars of this learner here (merges applied, staleness, time
+    blocked, bytes sent and received; docs/operations.md, "Metrics"), one event file per
+    process (ranks of a multi-rank learner in ``rank<N>`` subdirectories). Needs the
+    optional ``tensorboard`` package (``pip install tensorboard``); None: nothing written."""
+
     def validate(self) -> None:
-        _one_of("apply", self.apply, APPLY_RULES)
+        _check_choices(self)
+        _check(self.tensorboard_dir is None or bool(str(self.tensorboard_dir).strip()),
+               "tensorboard_dir is empty; give a directory, or None for no TensorBoard scalars")
         _check(0 <= self.mix_alpha <= 1, f"mix_alpha must lie in [0, 1], got {self.mix_alpha}")
         _check(self.wait_timeout > 0, f"wait_timeout must be > 0 seconds, got {self.wait_timeout}")
         _check(self.tokens_per_step is None or self.tokens_per_step > 0,
@@ -363,13 +466,13 @@ class CompressionConfig:
     ``powersgd``), e.g. ``"int4"``, ``"int4:block_size=32"``, ``"powersgd:rank=4"``.
     Lossy codecs need float32 parameters and carry an error-feedback residual."""
 
-    uplink: str = "none"
+    uplink: str = field(default="none", metadata={OPTION: "uplink_codec"})
     """Codec of the learners' outer gradients (learner -> syncer). Each learner keeps
     a residual per fragment tensor and adds it to the next send, so what is dropped
     now is sent later. The syncer accepts whatever registered codec a learner uses
     (messages name their codec); this field is what learners encode with."""
 
-    downlink: str = "none"
+    downlink: str = field(default="none", metadata={OPTION: "downlink_codec"})
     """Codec of the syncer's updates (syncer -> learners): each merge sends the
     encoded change since the previous version, and the syncer sets its own value to
     exactly what learners reconstruct, so every copy stays bit-identical. The syncer
@@ -414,8 +517,11 @@ class CompressionConfig:
 
 
 @dataclass(kw_only=True)
-class RackmendConfig:
-    """Everything a rackmend run needs; learner and syncer must use equal values."""
+class RunConfig:
+    """The settings of a run the syncer needs: all of ``RackmendConfig`` but how a learner
+    applies merged values. ``rackmend syncer`` builds one of these; of the schedule it
+    uses only ``overlap``, since H, P and the apply rule are the learners' (they report
+    them at hello, and the first learner's values hold for the run)."""
 
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """Sync period, fragments and overlap."""
@@ -423,23 +529,35 @@ class RackmendConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """Quorum, grace, weighting, merge and outer optimizer."""
 
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    """How merged values are applied on the learner."""
-
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs of outer gradients (uplink) and updates (downlink); lossless by default."""
 
     deterministic: bool = False
     """Bit-for-bit reproducible runs: every learner blocks at t_send + tau until the
     merged value is there, and every round waits for the whole roster (no grace timing).
-    Slower by design; for tests and debugging."""
+    Slower by design; for tests and debugging. The syncer (``rackmend syncer
+    --deterministic``) and every learner must agree; a learner that does not is refused."""
 
     def validate(self) -> None:
-        for name in ("schedule", "syncer", "learner", "compression"):
-            getattr(self, name).validate()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value.validate()
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with top-level fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(kw_only=True)
+class RackmendConfig(RunConfig):
+    """Everything a rackmend run needs; learner and syncer must use equal values."""
+
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """How merged values are applied on the learner."""
 
     def apply_rule(self) -> str:
         """``learner.apply`` with ``auto`` resolved (see ``LearnerConfig.apply``)."""
@@ -456,7 +574,3 @@ class RackmendConfig:
         if self.apply_rule() == "keep_local":
             return max(sch.overlap, sch.sync_every - sch.overlap)
         return sch.overlap
-
-    def replace(self, **changes: Any) -> "RackmendConfig":
-        """A copy with top-level fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)

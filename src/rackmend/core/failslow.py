@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 __all__ = [
     "StepTimeDetector",
@@ -84,10 +84,12 @@ fastest; the smallest slowdown itself is left to the 1.2x one (a CUSUM tuned to 
 would need a far higher threshold and be slower on everything else)."""
 
 BASELINE_MIN_SAMPLES = 128
-"""The baseline keeps at least this many samples, even when they span more than
-``baseline_steps`` steps: with windows of 6 steps, 256 steps are 43 samples, whose
-median and spread are off by enough to turn a false alarm per 1e7 steps into one per
-1e5 (benchmarks/failslow.py --window 6). Detection starts at half of both."""
+"""The baseline keeps at least this many samples (or ``baseline_steps / 2``, when that
+is fewer), even when they span more than ``baseline_steps`` steps: with windows of 6
+steps, 256 steps are 43 samples, whose median and spread are off by enough to turn a
+false alarm per 1e7 steps into one per 1e5 (benchmarks/failslow.py --window 6).
+Detection starts at half of both. A short ``baseline_steps`` thus lowers this floor
+too: whoever shortens the baseline (a one-minute demo) has chosen a noisier one."""
 
 REPORT_STATES = ("blip", "slow", "evict", "restored")
 """What a ``FailSlowReport`` says happened."""
@@ -161,6 +163,8 @@ class StepTimeDetector:
         self.min_steps = min_steps
         self.baseline_steps = baseline_steps
         self.lag_steps = baseline_steps // 2
+        self.min_samples = min(BASELINE_MIN_SAMPLES, baseline_steps // 2)
+        """Samples the baseline keeps at least (see ``BASELINE_MIN_SAMPLES``)."""
         self.arl0 = false_alarm_steps * len(DESIGN_MULTIPLES)  # the CUSUMs' alarm rates add up
         self.steps = 0
         """Steps seen (the sum of ``steps`` over every sample)."""
@@ -211,6 +215,40 @@ class StepTimeDetector:
     def baseline_seconds(self) -> float | None:
         return None if self.mu is None else math.exp(self.mu)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything learnt so far, as JSON-able data (settings excluded: they come from
+        the config the detector is built with)."""
+        return {
+            "steps": self.steps, "slow": self.slow, "mu": self.mu, "sigma": self.sigma,
+            "slow_level": self.slow_level, "dirty": self._dirty, "alarmed": self._alarmed,
+            "blip": [self._blip_steps, self._blip_shift],
+            "base": [[x, n] for x, n in self._base],
+            "probation": [list(e) for e in self._probation],
+            "recent": [list(e) for e in self._recent],
+            "cusums": [[c.k, c.h, c.s, c.onset] for c in self._cusums],
+            "down": [self._down.k, self._down.h, self._down.s, self._down.onset],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s output. The CUSUMs' running sums and onsets
+        are kept; their reference values and thresholds follow this detector's settings."""
+        self.steps = int(state["steps"])
+        self.slow = bool(state["slow"])
+        self.mu = None if state["mu"] is None else float(state["mu"])
+        self.sigma = float(state["sigma"])
+        self.slow_level = float(state["slow_level"])
+        self._dirty, self._alarmed = int(state["dirty"]), int(state["alarmed"])
+        self._blip_steps, self._blip_shift = int(state["blip"][0]), float(state["blip"][1])
+        self._base = deque((float(x), int(n)) for x, n in state["base"])
+        self._base_steps = sum(n for _, n in self._base)
+        self._probation = deque((int(e), float(x), int(n)) for e, x, n in state["probation"])
+        self._recent = deque((int(e), float(x), int(n)) for e, x, n in state["recent"])
+        self._cusums = [_Cusum(float(k), float(h), float(v), int(o)) for k, h, v, o in state["cusums"]]
+        k, h, v, o = state["down"]
+        self._down = _Cusum(float(k), float(h), float(v), int(o))
+        if self.mu is not None:
+            self._design()  # settings may differ from the run that saved this
+
     # ------------------------------------------------------------------ internals
     def _since(self, step: int) -> list[tuple[float, int]]:
         """Samples ending after ``step`` (at least the newest one)."""
@@ -237,14 +275,14 @@ class StepTimeDetector:
             self._base_steps += n
             self._dirty += 1
             while (self._base_steps - self._base[0][1] >= self.baseline_steps
-                   and len(self._base) > BASELINE_MIN_SAMPLES):
+                   and len(self._base) > self.min_samples):
                 self._base_steps -= self._base.popleft()[1]
 
     def _refresh(self) -> None:
         """Baseline from the admitted history: weighted median, and 1.4826 x the weighted
         median absolute deviation scaled to one step (a mean of n steps varies sqrt(n) less)."""
         self._dirty = 0
-        if self._base_steps < self.baseline_steps // 2 or len(self._base) < BASELINE_MIN_SAMPLES // 2:
+        if self._base_steps < self.baseline_steps // 2 or len(self._base) < self.min_samples // 2:
             return
         mu = _wmedian(list(self._base))
         mad = _wmedian([(abs(x - mu) * math.sqrt(n), n) for x, n in self._base])
@@ -420,6 +458,30 @@ class FailSlowMonitor:
 
     def is_slow(self, learner: str) -> bool:
         return learner in self.cases
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank detectors and the learners flagged slow, as JSON-able data, so a
+        restarted syncer neither relearns every baseline nor forgets whom it flagged."""
+        return {
+            "detectors": [[lid, rank, self.last_step.get((lid, rank)), det.state_dict()]
+                          for (lid, rank), det in sorted(self.detectors.items())],
+            "cases": {lid: {"slow_ranks": sorted(c.slow_ranks), "steps": c.steps, "cost_s": c.cost_s,
+                            "advised": c.advised, "evict": c.evict} for lid, c in sorted(self.cases.items())},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace everything with ``state_dict()``'s output."""
+        self.detectors, self.last_step, self.cases = {}, {}, {}
+        for lid, rank, last, det_state in state["detectors"]:
+            key = (str(lid), int(rank))
+            det = self.detectors[key] = StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]
+            det.load_state_dict(det_state)
+            if last is not None:
+                self.last_step[key] = int(last)
+        for lid, c in state["cases"].items():
+            self.cases[str(lid)] = _Case(slow_ranks={int(r) for r in c["slow_ranks"]}, steps=int(c["steps"]),
+                                         cost_s=float(c["cost_s"]), advised=bool(c["advised"]),
+                                         evict=bool(c["evict"]))
 
     def forget(self, learner: str) -> None:
         for key in [k for k in self.detectors if k[0] == learner]:

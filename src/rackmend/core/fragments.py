@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from rackmend.config import ConfigError, PACKINGS
+from rackmend.config import ConfigError, PACKINGS, check_choice
 
 __all__ = [
     "TensorSpec",
@@ -185,8 +185,7 @@ def pack_fragments(
     Within a fragment, tensors keep the model's order. ``buffers``: include persistent
     floating-point buffers (see the module docstring).
     """
-    if packing not in PACKINGS:
-        raise ConfigError(f"packing={packing!r} is not known; use one of {', '.join(PACKINGS)}")
+    check_choice("packing", packing, PACKINGS)
     emb = _embedding_param_ids(unwrap_model(model))
     named = model_tensors(model, buffers)
     if not any(not is_buffer for _, _, is_buffer in named):

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rackmend.config import ConfigError, MERGES, WEIGHTINGS
+from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
 __all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "ACC_DTYPE"]
 
@@ -31,7 +31,8 @@ def contribution_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
         return float(c_tokens)
     if weighting == "uniform":
         return 1.0
-    raise ConfigError(f"weighting={weighting!r} is not known; use one of {', '.join(WEIGHTINGS)}")
+    check_choice("weighting", weighting, WEIGHTINGS)
+    raise AssertionError(f"weighting {weighting!r} is in WEIGHTINGS but has no rule here")
 
 
 def _log_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
@@ -121,8 +122,7 @@ def merge_deltas(
     denominator, which scales the result by the present share of the weight.
     Returns tensors in the input dtype.
     """
-    if method not in MERGES:
-        raise ConfigError(f"merge={method!r} is not known; use one of {', '.join(MERGES)}")
+    check_choice("merge", method, MERGES)
     if not deltas:
         raise ValueError("merge_deltas needs at least one contribution")
     w = normalized_weights(weights, absent)

@@ -15,7 +15,7 @@ from typing import Any
 
 from rackmend.codecs.base import CodecError
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.config import RackmendConfig
+from rackmend.config import RackmendConfig, RunConfig
 
 __all__ = ["LearnerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch", "same_codec"]
 
@@ -71,7 +71,7 @@ def same_codec(a: str, b: str) -> bool:
         return a == b
 
 
-def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RackmendConfig) -> Mismatch | None:
+def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RunConfig) -> Mismatch | None:
     """The first setting in which learner ``learner_id`` disagrees with the syncer's ``config``."""
     tau = config.schedule.overlap
     if s.overlap != tau:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence, Union
+from typing import Any, Literal, Sequence, Union, get_args
 
 import torch
 
@@ -65,6 +65,8 @@ __all__ = [
     "Action",
     "Ema",
     "WARNING_EVENTS",
+    "RejectCode",
+    "REJECT_CODES",
     "TOKEN_UNITS_RATIO",
     "HARMFUL_STREAK",
     "HARMFUL_LOSS",
@@ -80,6 +82,19 @@ __all__ = [
 WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped", "failslow_slow",
                             "failslow_evict"})
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
+
+RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
+                     "non_finite", "replay", "norm_overflow"]
+"""Why a contribution was refused, as a fixed word (the ``code`` of a ``reject`` record,
+beside its ``reason`` sentence): what metrics count by, since a sentence names values.
+unknown_fragment, not_joined; layout (tensors unlike the fragment's); counters
+(negative or NaN) and bounds (beyond ``MAX_*``); epoch (based on a value of another
+syncer run); ahead (a base version the syncer never made); stale (more than
+``max_staleness`` versions behind); non_finite; replay (or an older send than one
+accepted); norm_overflow."""
+
+REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
+"""Every ``RejectCode``, in order."""
 
 TOKEN_UNITS_RATIO = 10.0
 """A learner whose tokens per step differ from the other learners' median by this factor
@@ -112,10 +127,10 @@ GUARD_MIN_NORMS = 5
 there is no scale to compare with, and the first contributions of a run are the
 largest."""
 
-GUARD_STEPS_CAP = 16.0
-"""Most the norm guard's bound grows for a contribution holding more inner steps than
-usual (``c_steps`` over the fragment's median): the first send after an outage carries
-every step made during it and is honestly that much larger, but ``c_steps`` is the
+GUARD_STEPS_CAP = 64.0
+"""Most the norm guard's bound grows for a contribution holding more work than usual:
+the first send after an outage carries every step made during it (49x the usual in
+``benchmarks/chaos.py``) and is honestly that much larger, but ``c_steps`` is the
 sender's word, so what a lie can buy is capped at this multiple."""
 
 RETIRED_SESSIONS = 16
@@ -393,6 +408,9 @@ class SyncerCore:
             false_alarm_steps=sc.failslow_false_alarm_steps, baseline_steps=sc.failslow_baseline_steps,
             advise_after=sc.failslow_advise_after, evict_cost=sc.failslow_evict_cost)
         """Step-time detectors and the fail-slow ladder (None: off, or deterministic mode)."""
+        self._failslow_resumed: set[str] = set()
+        """Learners whose fail-slow state came from a checkpoint and who have not sent
+        since: their (re)join after a syncer restart keeps that state."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -411,6 +429,7 @@ class SyncerCore:
             m = self.members.get(event.learner_id)
             if self.failslow is not None:
                 self.failslow.forget(event.learner_id)  # a rack that comes back may be another machine
+                self._failslow_resumed.discard(event.learner_id)
             if m is not None:
                 m.connected, m.expected = False, False
                 actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
@@ -523,6 +542,8 @@ class SyncerCore:
             "epoch": self.epoch,
             "lineage": [[e, list(kept)] for e, kept in self.lineage],
         }
+        if self.failslow is not None:
+            meta["failslow"] = self.failslow.state_dict()
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
                 tensors[f"downlink/{name}"] = t
@@ -582,6 +603,14 @@ class SyncerCore:
         self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.get("lineage", [])]
         if "epoch" in meta:
             self.lineage.append((int(meta["epoch"]), [int(v) for v in meta["versions"]]))
+        if self.failslow is not None and "failslow" in meta:
+            # Baselines take hundreds of steps to learn, and a learner flagged slow stays
+            # flagged (not waited for) until its steps are back, across the restart.
+            self.failslow.load_state_dict(meta["failslow"])
+            self._failslow_resumed = {lid for lid, _ in self.failslow.detectors}
+            for lid in self.failslow.cases:
+                if lid in self.members:
+                    self.members[lid].expected = False
         if self.downlink is not None:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
@@ -616,62 +645,64 @@ class SyncerCore:
         return None
 
     def _join(self, lid: str, now: float, actions: list[Action]) -> None:
-        if self.failslow is not None:
+        if self.failslow is not None and lid not in self._failslow_resumed:
             self.failslow.forget(lid)  # expected again below; its baseline is learnt anew
         m = self.members.setdefault(lid, _Member(connected=True, expected=True))
-        m.connected, m.expected = True, True
-        actions.append(self._log(now, "join", learner=lid))
+        # Only a learner flagged before a syncer restart is still slow here: not waited for.
+        m.connected, m.expected = True, not (self.failslow is not None and self.failslow.is_slow(lid))
+        actions.append(self._log(now, "join", learner=lid, expected=m.expected))
         for upd in self.current:
             actions.append(SendUpdate(upd, (lid,)))
 
-    def _reject(self, c: Contribution, now: float, reason: str, actions: list[Action]) -> None:
+    def _reject(self, c: Contribution, now: float, code: RejectCode, reason: str, actions: list[Action]) -> None:
         self.rejected += 1
         actions.append(
-            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, reason=reason)
+            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, code=code, reason=reason)
         )
 
     def _accept(self, c: Contribution, now: float, actions: list[Action]) -> int | None:
         p = c.fragment
         if not 0 <= p < len(self.fragments):
-            self._reject(c, now, f"unknown fragment {p}", actions)
+            self._reject(c, now, "unknown_fragment", f"unknown fragment {p}", actions)
             return None
         if c.learner_id not in self.members or not self.members[c.learner_id].connected:
-            self._reject(c, now, "learner has not joined", actions)
+            self._reject(c, now, "not_joined", "learner has not joined", actions)
             return None
         problem = self._check_tensors(self.fragments[p], c.tensors)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "layout", problem, actions)
             return None
         if c.c_steps < 0 or c.c_tokens < 0 or not c.step_time >= 0:
-            self._reject(c, now, "negative or NaN counters", actions)
+            self._reject(c, now, "counters", "negative or NaN counters", actions)
             return None
         problem = self._check_bounds(c)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "bounds", problem, actions)
             return None
         version = self.versions[p]
         if not self._holds(c.base_epoch, p, c.base_version):
             self._reject(
-                c, now, f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), which "
-                f"this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
+                c, now, "epoch", f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), "
+                f"which this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
                 f"another training run; the learner is sent the current value (version {version})", actions)
             actions.append(SendUpdate(self.current[p], (c.learner_id,), reset=True))
             return None
         if c.base_version > version:
-            self._reject(c, now, f"base version {c.base_version} is ahead of the syncer's {version}", actions)
+            self._reject(c, now, "ahead", f"base version {c.base_version} is ahead of the syncer's {version}",
+                         actions)
             return None
         if version - c.base_version > self.config.syncer.max_staleness:
             self._reject(
-                c, now, f"stale: base version {c.base_version}, current {version}, "
+                c, now, "stale", f"stale: base version {c.base_version}, current {version}, "
                 f"max_staleness {self.config.syncer.max_staleness}", actions,
             )
             return None
         if not all(_finite(t) for t in c.tensors):
-            self._reject(c, now, "non-finite values (NaN or Inf)", actions)
+            self._reject(c, now, "non_finite", "non-finite values (NaN or Inf)", actions)
             return None
         problem = self._check_sequence(c)
         if problem:
-            self._reject(c, now, problem, actions)
+            self._reject(c, now, "replay", problem, actions)
             return None
         guarded = self._guard(c, now, actions)
         if guarded is None:
@@ -760,28 +791,32 @@ class SyncerCore:
 
     def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
         """``c``, clipped to its bound when above it; None (rejected) when its norm cannot
-        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm,
-        times how many more inner steps than usual ``c`` holds (at least 1, at most
-        ``GUARD_STEPS_CAP``): an update's norm grows with the steps behind it."""
+        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm
+        x the work ``c`` holds in units of the usual: its steps over the usual, plus one
+        usual period per version its base is behind (a learner whose updates stopped
+        arriving sends the drift since its base every time), at least 1 and at most
+        ``GUARD_STEPS_CAP``."""
         norm = _norm(c.tensors)
         if not math.isfinite(norm):
-            self._reject(c, now, "outer gradient norm overflows float64", actions)
+            self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
         window, steps = self.norms[c.fragment], self.norm_steps[c.fragment]
         factor = self.config.syncer.norm_guard
         if factor > 0 and len(window) >= GUARD_MIN_NORMS:
             median = sorted(window)[len(window) // 2]
             usual_steps = sorted(steps)[len(steps) // 2] if steps else 0
-            work = min(GUARD_STEPS_CAP, max(1.0, c.c_steps / usual_steps)) if usual_steps > 0 else 1.0
+            behind = self.versions[c.fragment] - c.base_version  # <= max_staleness, checked before
+            work = min(GUARD_STEPS_CAP, (max(1.0, c.c_steps / usual_steps) if usual_steps > 0 else 1.0) + behind)
             bound = factor * median * work
             if norm > bound:
                 scale = bound / norm
                 actions.append(self._log(
                     now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
-                    c_steps=c.c_steps, usual_steps=usual_steps, bound=bound, action="clipped",
+                    c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
                             f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
-                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps})" if work > 1 else "")
+                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps}) on a base "
+                               f"{behind} versions behind" if work > 1 else "")
                             + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
                 # Clipped values are kept out of the window: otherwise sends just under the
                 # bound, repeated, would ratchet the scale up.
@@ -1011,6 +1046,7 @@ class SyncerCore:
         """Feed ``c``'s timing to the fail-slow monitor; apply and log the ladder's actions."""
         if self.failslow is None:
             return
+        self._failslow_resumed.discard(c.learner_id)  # sending again: a later join is a new start
         seconds, steps = (c.rank_step_time, c.rank_steps) if c.rank_steps > 0 else (c.step_time, 0)
         ladder = self.failslow.observe(c.learner_id, c.rank, c.step, seconds, steps, len(self.connected_learners()))
         changed = False

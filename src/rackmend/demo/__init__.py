@@ -10,7 +10,8 @@ Per arm, M learner processes (plain processes running ``rackmend.demo.worker``)
 train the byte-level GPT against a real ``rackmend syncer`` process, each through
 its own emulated link (default 50 Mbit/s, 100 ms ±50 % one way). The same faults hit
 every arm at the same moments: learner 1 is SIGKILLed and started again, learner 2
-turns fail-slow for a while, learner 3 has a four times worse link. Arms:
+turns fail-slow for a while (in the rackmend arms the syncer flags it, stops waiting
+for it and restores it afterwards), learner 3 has a four times worse link. Arms:
 
 - ``data-parallel``: exchange every step, blocking, all learners (H=1, P=1, tau=0).
 - ``diloco``: classic DiLoCo: the whole model every H steps, blocking, quorum = all.
@@ -106,7 +107,7 @@ def main(a: argparse.Namespace) -> int:
 
     from rackmend.config import ConfigError
     from rackmend.demo.orchestrate import run_arm, temporary_run_dir
-    from rackmend.demo.report import format_summary, write_report
+    from rackmend.demo.report import failslow_notes, format_summary, write_report
     from rackmend.demo.spec import arm_specs
     from rackmend.workloads import GPT
 
@@ -144,5 +145,8 @@ def main(a: argparse.Namespace) -> int:
         shutil.rmtree(raw, ignore_errors=True)
     print()
     print(format_summary(summary["arms"]))
+    for run in runs:
+        for line in failslow_notes(run):
+            print(f"{run.name}: {line}")
     print(f"\nreport: {a.out / 'report.md'} (plots and JSONL logs next to it)")
     return 0

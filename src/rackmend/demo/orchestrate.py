@@ -117,27 +117,10 @@ Progress = Callable[[float, dict[str, Any]], None]
 
 def syncer_flags(spec: ArmSpec) -> list[str]:
     """``rackmend syncer`` flags that reproduce the arm's syncer config."""
-    from rackmend.service.cli import OPTIONS
+    from rackmend.service.cli import config_flags
 
     assert spec.config is not None
-    sc = spec.config.syncer
-    flags = ["--overlap", str(spec.config.schedule.overlap)]
-    for o in OPTIONS:
-        if o.section != "syncer":
-            continue
-        value = getattr(sc, o.name)
-        if value is None:
-            continue
-        if isinstance(value, tuple):
-            value = ",".join(value)
-        elif isinstance(value, dict):
-            value = json.dumps(value)
-        flags += ["--" + o.name.replace("_", "-"), str(value)]
-    comp = spec.config.compression
-    flags += ["--uplink-codec", comp.uplink, "--downlink-codec", comp.downlink]
-    if spec.config.deterministic:
-        flags.append("--deterministic")
-    return flags
+    return config_flags(spec.config)
 
 
 class _Tail:

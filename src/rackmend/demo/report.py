@@ -18,7 +18,8 @@ from typing import Any, Sequence
 from rackmend.demo.orchestrate import ArmRun
 from rackmend.demo.spec import RunSettings
 
-__all__ = ["REPORT_FILES", "write_report", "summary_rows", "format_summary", "loss_at_tokens"]
+__all__ = ["REPORT_FILES", "write_report", "summary_rows", "format_summary", "loss_at_tokens", "failslow_notes",
+           "failslow_spans"]
 
 REPORT_FILES = (
     "report.md",
@@ -132,6 +133,24 @@ def _fault_spans(run: ArmRun) -> list[tuple[float, float, str, str]]:
     return spans
 
 
+def failslow_spans(run: ArmRun) -> list[dict[str, Any]]:
+    """Each time the syncer flagged a learner fail-slow: ``learner``, ``rank``, ``t``
+    (flagged), ``until`` (restored; None if still flagged at the end), ``ratio`` and
+    ``fleet_ratio`` at the flag, ``restore_ratio``."""
+    spans: list[dict[str, Any]] = []
+    open_: dict[str, dict[str, Any]] = {}
+    for e in run.events:
+        if e.get("event") == "failslow_slow" and e["learner"] not in open_:
+            open_[e["learner"]] = span = {"learner": e["learner"], "rank": e["rank"], "t": e["t"], "until": None,
+                                          "ratio": e["ratio"], "fleet_ratio": e["fleet_ratio"],
+                                          "baseline_s": e["baseline_s"], "restore_ratio": None}
+            spans.append(span)
+        elif e.get("event") == "failslow_restore" and e["learner"] in open_:
+            span = open_.pop(e["learner"])
+            span["until"], span["restore_ratio"] = e["t"], e["ratio"]
+    return spans
+
+
 def _plot_loss(runs: Sequence[ArmRun], path: Path, x: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -231,10 +250,19 @@ def _plot_timeline(runs: Sequence[ArmRun], path: Path) -> None:
             ax.scatter(xs, ys, marker=marker, s=12, color=color, label=f"{kind} ({len(xs)})", linewidths=1)
         for start, end, label, who in _fault_spans(r):
             ax.axvspan(start, end, ymin=0, ymax=1, alpha=0.1, color="red" if label == "killed" else "orange")
+        flagged = failslow_spans(r)
+        for k, span in enumerate(flagged):
+            # On the learner's own row: from the syncer's flag to its restore (or the end).
+            y, end = row.get(span["learner"], 0), span["until"] if span["until"] is not None else r.wall_s
+            ax.hlines(y, span["t"], end, lw=7, color="tab:purple", alpha=0.3, zorder=0,
+                      label=f"flagged fail-slow ({len(flagged)})" if k == 0 else None)
+            ax.vlines([span["t"]] + ([end] if span["until"] is not None else []), y - 0.35, y + 0.35,
+                      color="tab:purple", lw=1.2)
         ax.set_yticks(range(len(ids)), ids, fontsize=7)
         ax.set_ylim(-0.7, len(ids) - 0.3)
-        ax.set_title(f"{r.name}: each merge (all fragments) — who was in, late or absent", fontsize=9)
-        ax.legend(fontsize=7, ncol=3, loc="upper right")
+        ax.set_title(f"{r.name}: each merge (all fragments): who was in, late or absent; purple: flagged "
+                     "fail-slow", fontsize=9)
+        ax.legend(fontsize=7, ncol=4, loc="upper right")
         ax.grid(alpha=0.2)
     axes[-1].set_xlabel("wall time (s)")
     _save(fig, path)
@@ -272,6 +300,48 @@ def _fault_notes(r: ArmRun) -> list[str]:
                      f"{len(window)} merge{'' if len(window) == 1 else 's'} in that window, "
                      f"{without} without it or with it late; "
                      f"the healthy learners ran {rate_in:.2f} steps/s each (vs {rate_out:.2f} before).")
+    if r.name.startswith("rackmend"):
+        notes += failslow_notes(r)
+    return notes
+
+
+def failslow_notes(r: ArmRun) -> list[str]:
+    """What the syncer's fail-slow detection made of the arm: for each injected slow
+    window, when (and whether) the learner was flagged and restored; then any other
+    learner it flagged (on shared cores, contention can slow a healthy one for real)."""
+    notes = []
+    spans = failslow_spans(r)
+    merges = r.merges()
+    used: list[dict[str, Any]] = []
+    for e in r.events:
+        if e.get("event") != "fault_slow":
+            continue
+        who, lo, hi = e["learner"], e["t"], e["until"]
+        span = next((sp for sp in spans if sp["learner"] == who and lo <= sp["t"] <= hi), None)
+        if span is None:
+            notes.append(f"fail-slow detection: the syncer did not flag {who} during its slow window (is detection "
+                         "off, or was the window too early for a baseline?).")
+            continue
+        used.append(span)
+        end = span["until"] if span["until"] is not None else r.wall_s
+        flagged = [m for m in merges if span["t"] <= m["t"] <= end]
+        without = sum(1 for m in flagged if who not in m["merged"])
+        text = (f"fail-slow detection: the syncer flagged {who} (rank {span['rank']}) {span['t'] - lo:.1f} s into "
+                f"its slow window at {span['ratio']:.1f}× its baseline of {span['baseline_s'] * 1e3:.0f} ms per "
+                f"step ({span['fleet_ratio']:.1f}× relative to the fleet); rounds stopped waiting for it: "
+                f"{without} of the {len(flagged)} merges while it was flagged closed without it")
+        if span["until"] is None:
+            text += "; it was still flagged at the end."
+        else:
+            text += (f"; restored at {span['until']:.1f} s, {span['until'] - hi:+.1f} s from the window's end "
+                     f"({span['restore_ratio']:.1f}× its baseline).")
+        notes.append(text)
+    others = [sp for sp in spans if sp not in used]
+    if others:
+        notes.append("fail-slow detection also flagged " + "; ".join(
+            f"{sp['learner']} at {sp['t']:.1f} s ({sp['ratio']:.1f}×, {sp['fleet_ratio']:.1f}× the fleet)"
+            + (f", restored at {sp['until']:.1f} s" if sp["until"] is not None else ", to the end")
+            for sp in others) + " (processes sharing the cores slow each other for real).")
     return notes
 
 
@@ -357,7 +427,8 @@ def _markdown(runs: Sequence[ArmRun], rows: Sequence[dict[str, Any]], s: RunSett
                         ("utilization", "Compute utilization per learner"), ("link_bytes", "Bytes on each link"),
                         ("merge_timeline", "Merge timeline")):
         lines += [f"### {title}", "", f"![{title}]({name}.png)", ""]
-    lines += ["`events.jsonl`: every syncer event (joins, merges with who was merged, late or absent, checkpoints) "
+    lines += ["`events.jsonl`: every syncer event (joins, merges with who was merged, late or absent, checkpoints, "
+              "fail-slow flags `failslow_*`) "
               "and every injected fault, per arm, times in seconds since the arm's start. "
               "`steps.jsonl`: every learner step. `summary.json`: the numbers above.", ""]
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from rackmend.workloads import GPTConfig
 
 __all__ = [
     "ARMS",
+    "DEMO_FAILSLOW",
     "ArmSpec",
     "FaultPlan",
     "LinkPlan",
@@ -172,6 +173,12 @@ class RunSettings:
     model: GPTConfig = field(default_factory=GPTConfig)
     """Shape of the GPT."""
 
+    min_step_s: float = 0.0
+    """Each learner step lasts at least this long (the learner sleeps the rest, before
+    any fail-slow factor applies), as a rack of steady speed would; 0: as fast as the
+    CPU allows. Tests pace tiny models with it so that the scheduling noise of a shared
+    machine does not drown the injected fail-slow factor."""
+
     heartbeat_timeout_s: float = 10.0
     """Silence after which the syncer stops expecting a learner (a killed one). Keep it
     well above the time one message takes on the slowest link: heartbeats queue behind
@@ -186,6 +193,7 @@ class RunSettings:
         for name in ("batch_size", "evals"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(self.min_step_s >= 0, f"min_step_s must be >= 0 seconds (0: unpaced), got {self.min_step_s}")
         unknown = [a for a in self.arms if a not in ARMS]
         _check(bool(self.arms) and not unknown, f"arms {unknown or '()'} not known; choose from {', '.join(ARMS)}")
         ScheduleConfig(sync_every=self.sync_every, num_fragments=self.fragments, overlap=self.overlap)
@@ -228,6 +236,24 @@ class ArmSpec:
     """Syncer merges between checkpoints (the held-out evaluations read them)."""
 
 
+DEMO_FAILSLOW: dict[str, Any] = {
+    "failslow_baseline_steps": 64,
+    "failslow_min_steps": 4,
+    "failslow_min_slowdown": 1.0,
+    "failslow_advise_after": 8,
+}
+"""Fail-slow settings of the demo's rackmend arms; the defaults are made for runs of
+hours. A baseline of 256 steps (at least 64 contributions) would not be learnt before
+the slow window of a one-minute demo opens, about 175 steps in with one contribution
+per H/P = 4 steps: 64 steps (16 contributions to start) is noisier, which a x4
+slowdown can afford. Confirming after 10 steps and telling the learner after 30 would
+take most of the window at ~0.7 s per slow step: 4 steps is one contribution of slow
+steps. On two shared cores, healthy learners' steps swing by x2-3 for seconds while a
+restarted learner imports torch or another job runs, and relative to the fleet by up
+to x1.7 (measured in a demo run): so the demo confirms only slowdowns of x2 or more,
+where the default 10 % would flag that contention."""
+
+
 def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
     """The arms of the issue, all with the same learners, seeds and links."""
     ids = tuple(s.learner_ids)
@@ -260,7 +286,7 @@ def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
                         f"tau={s.overlap} overlap, K=1, adaptive grace, tokens^2/steps weights",
             config=RackmendConfig(
                 schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
-                syncer=SyncerConfig(min_quorum=1, learners=ids),
+                syncer=SyncerConfig(min_quorum=1, learners=ids, **DEMO_FAILSLOW),
                 learner=lc),
             checkpoint_every=s.fragments,
         ),
@@ -270,7 +296,7 @@ def arm_specs(s: RunSettings) -> dict[str, ArmSpec]:
                         "feedback on each learner and on the syncer)",
             config=RackmendConfig(
                 schedule=ScheduleConfig(sync_every=s.sync_every, num_fragments=s.fragments, overlap=s.overlap),
-                syncer=SyncerConfig(min_quorum=1, learners=ids),
+                syncer=SyncerConfig(min_quorum=1, learners=ids, **DEMO_FAILSLOW),
                 compression=CompressionConfig(uplink="int4", downlink="int4"),
                 learner=lc),
             checkpoint_every=s.fragments,

@@ -104,6 +104,9 @@ def run(run_dir: Path, index: int) -> int:
             loss.backward()
             inner.step()
             b = time.perf_counter()
+            if b - a < s.min_step_s:
+                time.sleep(s.min_step_s - (b - a))
+                b = time.perf_counter()
             is_slow = slow is not None and slow[0] <= time.monotonic() < slow[1]
             if is_slow:
                 assert slow is not None

@@ -38,6 +38,7 @@ from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_du
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.pieces import RackPieces
+from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
@@ -191,6 +192,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """The link's fail-slow advice, looked up once (links without it have none)."""
         self._rank_times: list[float] = []
         """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
+        tb = config.learner.tensorboard_dir
+        self._scalars = None if tb is None else LearnerScalars(tb, self.rank, self.world_size)
+        """TensorBoard scalars (``LearnerConfig.tensorboard_dir``), written at each applied merge."""
         self._join()
 
     # ---------------------------------------------------------- optimizer contract
@@ -333,6 +337,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Leave the run (the syncer stops expecting this learner at once)."""
+        if self._scalars is not None:
+            self._scalars.close()
         self.link.leave()
 
     def __enter__(self) -> "RackmendOptimizer":
@@ -581,6 +587,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self.merge_gains[p] = gain
             if math.isfinite(gain):  # a non-finite probe is the user's to see, not the syncer's
                 self._gain_to_report[p] = gain
+        if self._scalars is not None:
+            self._scalars.applied(self, p)
         if self.on_apply is not None:
             self.on_apply(p, upd)
 

@@ -1,41 +1,71 @@
 """``rackmend syncer`` and ``rackmend keygen``: flags, config file and environment.
 
-Every option can come from a flag, from the TOML file given by ``--config`` (same
-names with underscores) or from an environment variable ``RACKMEND_<NAME>``; a flag
-wins over the environment, which wins over the file, which wins over the default.
-``docs/multinode.md`` lists the options as one table (``rackmend syncer --help``
-prints the same).
+Every syncer option can come from a flag, from the TOML file given by ``--config``
+(same names with underscores) or from an environment variable ``RACKMEND_<NAME>``; a
+flag wins over the environment, which wins over the file, which wins over the default.
+An option that is on by default is also turned off by ``--no-NAME``
+(``RACKMEND_NO_NAME=1``, ``no_name = true``). ``docs/multinode.md`` lists the options as
+one table, printed by ``rackmend syncer --help-markdown``.
+
+The options are not declared here: each is a field of ``ServiceConfig``, ``SyncerConfig``
+or ``CompressionConfig``, or one of the two run settings learners must match
+(``ScheduleConfig.overlap``, ``RunConfig.deterministic``), and its name, default, allowed
+values (a ``Literal`` type) and help text (the field's docstring) come from that field.
+``LearnerConfig`` gives no options: how learners apply merged values is theirs to set,
+and they report it at hello.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import logging
 import os
+import re
 import sys
 import tomllib
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 from rackmend.config import (
+    OPTION,
+    OPTION_SCALE,
     CompressionConfig,
     ConfigError,
-    LearnerConfig,
-    RackmendConfig,
+    RunConfig,
     ScheduleConfig,
     SyncerConfig,
+    check_choice,
+    field_docs,
+    literal_choices,
 )
+from rackmend.service.syncer import ServiceConfig
 
-__all__ = ["OPTIONS", "add_syncer_arguments", "syncer_main", "add_keygen_arguments", "keygen_main"]
+__all__ = ["OPTIONS", "Option", "add_syncer_arguments", "resolve", "build", "config_flags", "options_markdown",
+           "syncer_main", "add_keygen_arguments", "keygen_main"]
 
 ENV_PREFIX = "RACKMEND_"
 
 LEARNER_ENV = ("RACKMEND_LEARNER_ID", "RACKMEND_CONNECT")
 """``RACKMEND_*`` names read on the learner side (``RackmendOptimizer``, ``ZmqLink.from_env``):
 valid in a shared environment, so the syncer does not warn about them."""
+
+SECTIONS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
+    (ServiceConfig, None),
+    # H, P, packing and sync_buffers are the learners' (the first learner's hello sets them
+    # for the run); tau is the syncer's too, since its grace window depends on it.
+    (ScheduleConfig, ("overlap",)),
+    (SyncerConfig, None),
+    (CompressionConfig, None),
+    (RunConfig, ("deterministic",)),
+)
+"""The dataclasses whose fields are ``rackmend syncer`` options (None: every field), in
+the order ``--help`` and the docs list them."""
 
 log = logging.getLogger("rackmend.syncer")
 
@@ -48,6 +78,19 @@ def _bool(v: Any) -> bool:
     if str(v).lower() in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (true/false), got {v!r}")
+
+
+def _int(v: Any) -> int:
+    # A TOML float or bool must not pass as an int by truncation (2.5 -> 2, true -> 1).
+    if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"expected a whole number, got {v!r}")
+    return int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got {v!r}")
+    return float(v)
 
 
 def _ids(v: Any) -> tuple[str, ...]:
@@ -65,112 +108,207 @@ def _json_map(v: Any) -> dict[str, Any] | None:
     return out
 
 
+_PARSERS = {"bool": _bool, "int": _int, "float": _float, "str": str, "ids": _ids, "json": _json_map}
+
+
+def _kind(owner: type, name: str, hint: Any) -> str:
+    """The parser an annotation calls for; a new field of another type fails here, at
+    import, rather than being taken as a string."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            hint = args[0]
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "choice"
+    if origin is tuple and typing.get_args(hint)[:1] == (str,):
+        return "ids"
+    if origin is dict:
+        return "json"
+    if hint in (bool, int, float, str):
+        return hint.__name__
+    raise TypeError(f"{owner.__name__}.{name}: no option parser for type {hint!r}")
+
+
 @dataclass(frozen=True)
 class Option:
+    """One ``rackmend syncer`` option: a config dataclass field seen from the command line."""
+
     name: str
-    parse: Callable[[Any], Any]
+    """Option name: the TOML key; ``--name-with-dashes``; ``RACKMEND_NAME``."""
+    owner: type
+    """The dataclass that declares the field."""
+    field: str
+    """The field's name in ``owner`` (differs from ``name`` where the field says so)."""
+    kind: str
+    """``bool``, ``int``, ``float``, ``str``, ``ids`` (comma-separated), ``json`` or ``choice``."""
     default: Any
+    """The field's default, in the option's unit."""
     help: str
-    section: str  # service | schedule | syncer | compression | run
+    """The field's docstring."""
+    choices: tuple[str, ...] | None = None
+    """Allowed values of a ``Literal`` field."""
+    scale: int | None = None
+    """Field value = option value x scale (``OPTION_SCALE``)."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def negatable(self) -> bool:
+        """On by default, so ``--no-NAME`` (and ``no_NAME``, ``RACKMEND_NO_NAME``) turn it off."""
+        return self.kind == "bool" and self.default is True
+
+    def parse(self, raw: Any) -> Any:
+        if self.kind == "choice":
+            assert self.choices is not None
+            check_choice(self.name, str(raw), self.choices)
+            return str(raw)
+        return _PARSERS[self.kind](raw)
+
+    def to_field(self, value: Any) -> Any:
+        if self.scale is None or value is None:
+            return value
+        return int(value * self.scale)
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("bind", str, "tcp://127.0.0.1:5555", "ZeroMQ endpoint to listen on (port 0: any free port)", "service"),
-    Option("insecure", _bool, False, "allow a non-loopback bind without Curve keys", "service"),
-    Option("secret_key", str, None, "the syncer's .key_secret file (turns CurveZMQ on)", "service"),
-    Option("allowed_keys", str, None, "directory of learner public .key files allowed to connect", "service"),
-    Option("checkpoint_dir", str, None, "directory for checkpoints (none: no checkpoints)", "service"),
-    Option("checkpoint_every", int, 50, "checkpoint every N merges (and on SIGTERM/SIGINT)", "service"),
-    Option("resume", _bool, False, "continue from the checkpoint in --checkpoint-dir", "service"),
-    Option("heartbeat_timeout", float, 10.0, "seconds of silence before a learner rank counts as gone", "service"),
-    Option("max_message_mb", float, None, "largest message accepted, in MiB (default: the model's largest "
-           "fragment plus the header bound, once known; a fresh start keeps ZeroMQ's pre-read cap at 2 GiB, so pass "
-           "it for a tight bound)", "service"),
-    Option("takeover_after", float, 5.0, "seconds a learner rank must be silent before a hello for it from another "
-           "connection takes its place (sooner: refused and logged as identity_refused)", "service"),
-    Option("log", str, None, "JSONL event log (merges, joins, rejections)", "service"),
-    Option("log_burst", int, 5, "per connection and kind of bad input, the most log records per 10 s; the rest are "
-           "counted in one 'suppressed' record", "service"),
-    Option("init_timeout", float, 60.0, "seconds the first learner may take per initial fragment before "
-           "another waiting learner is asked to seed the model", "service"),
-    Option("ready_file", str, None, "write the bound endpoint here once listening (for scripts)", "run"),
-    Option("overlap", int, 2, "tau of the learners (used by the grace window); a learner with another "
-           "tau is refused", "schedule"),
-    Option("min_quorum", int, 1, "K: fresh contributions a round needs", "syncer"),
-    Option("learners", _ids, (), "expected learner ids, comma-separated; only these may join (empty: whoever "
-           "joins)", "syncer"),
-    Option("grace_max", float, 2.0, "upper bound of the grace window, seconds", "syncer"),
-    Option("grace_gamma", float, 0.8, "share of the overlap slack spent waiting for stragglers", "syncer"),
-    Option("weighting", str, "tokens_sq_per_step", "tokens_sq_per_step | tokens | uniform", "syncer"),
-    Option("merge", str, "mean", "mean | rda", "syncer"),
-    Option("outer_optimizer", str, "SGD", "a torch.optim class name", "syncer"),
-    Option("outer_lr", float, 1.0, "outer learning rate", "syncer"),
-    Option("outer_kwargs", _json_map, None, "JSON object of extra outer optimizer arguments", "syncer"),
-    Option("anchoring", str, "syncer", "syncer | learner_base (stale contributions)", "syncer"),
-    Option("max_staleness", int, 4, "drop contributions this many versions behind", "syncer"),
-    Option("count_absent", _bool, True, "true | false: count a connected learner missing from a round as "
-           "sending zero at its usual weight, so a round closing on few learners moves the global value by "
-           "their share only", "syncer"),
-    Option("norm_guard", float, 30.0, "clip a contribution whose norm exceeds this multiple of the fragment's "
-           "recent median norm (0: off)", "syncer"),
-    Option("no_failslow", _bool, False, "turn fail-slow detection off (no failslow_* events; rounds keep "
-           "waiting for slow learners)", "run"),
-    Option("failslow_min_slowdown", float, 0.10, "smallest slowdown flagged, as a fraction of the learner's "
-           "own step time (0.1: 10 %%)", "syncer"),
-    Option("failslow_min_steps", int, 10, "steps a slowdown must last to be flagged (shorter: a blip)", "syncer"),
-    Option("failslow_false_alarm_steps", float, 1e7, "designed steps between false alarms of one healthy "
-           "learner (higher: fewer false alarms, later detection)", "syncer"),
-    Option("failslow_baseline_steps", int, 256, "steps of a learner's own history its baseline step time is "
-           "taken over (detection starts after half of it)", "syncer"),
-    Option("failslow_advise_after", int, 30, "steps a slowdown lasts before the learner is told "
-           "(on_fail_slow)", "syncer"),
-    Option("failslow_evict_cost", float, 3600.0, "fleet-seconds a slow learner may cost before it is marked "
-           "for eviction", "syncer"),
-    Option("uplink_codec", str, "none", "codec learners use for outer gradients (name[:key=value,...], e.g. "
-           "int4 or powersgd:rank=4); the syncer accepts any registered codec and logs it per merge",
-           "compression"),
-    Option("downlink_codec", str, "none", "codec of the syncer's updates (e.g. int8); joins and fetches stay "
-           "full precision; learners must be configured with the same", "compression"),
-    Option("deterministic", _bool, False, "bit-reproducible mode: rounds wait for the whole roster; learners "
-           "must match", "run"),
-)
+def _options(owner: type, only: tuple[str, ...] | None) -> list[Option]:
+    hints = typing.get_type_hints(owner)
+    docs = field_docs(owner)
+    missing = set(only or ()) - set(hints)
+    if missing:
+        raise TypeError(f"SECTIONS names {sorted(missing)}, which {owner.__name__} does not have")
+    out = []
+    for f in dataclasses.fields(owner):
+        if only is not None and f.name not in only:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        scale = f.metadata.get(OPTION_SCALE)
+        kind = "float" if scale is not None else _kind(owner, f.name, hints[f.name])
+        choices = literal_choices(owner)[f.name] if kind == "choice" else None
+        if f.name not in docs:
+            raise TypeError(f"{owner.__name__}.{f.name} has no docstring: it is an option's help text")
+        out.append(Option(name=f.metadata.get(OPTION, f.name), owner=owner, field=f.name, kind=kind,
+                          default=default / scale if scale is not None and default is not None else default,
+                          help=" ".join(docs[f.name].split()), choices=choices, scale=scale))
+    return out
+
+
+OPTIONS: tuple[Option, ...] = tuple(o for owner, only in SECTIONS for o in _options(owner, only))
+"""Every ``rackmend syncer`` option (besides ``--config`` and ``--help-markdown``)."""
+
+
+def _plain(text: str) -> str:
+    """Docstring markup (``code``) as Markdown code spans."""
+    return re.sub(r"``(.+?)``", r"`\1`", text)
+
+
+def _show(value: Any) -> str:
+    """A default as it would be written in the TOML file."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return json.dumps(list(value))
+    return repr(value)
+
+
+class _PrintMarkdown(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(options_markdown(), end="")
+        parser.exit()
 
 
 def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="TOML file with any of the options below")
+    p.add_argument("--help-markdown", action=_PrintMarkdown, nargs=0,
+                   help="print the options as the Markdown table of docs/multinode.md and exit")
     for o in OPTIONS:
-        flag = "--" + o.name.replace("_", "-")
-        env = ENV_PREFIX + o.name.upper()
-        if o.parse is _bool and o.default is False:  # a switch; true-by-default ones take a value
-            p.add_argument(flag, action="store_const", const=True, default=None,
-                           help=f"{o.help} (env {env})")
+        text = _plain(o.help).replace("%", "%%")  # argparse %-formats help strings
+        text += f" [default {_show(o.default)}; env {o.env}]"
+        if o.kind == "bool":
+            p.add_argument(o.flag, dest=o.name, nargs="?", const=True, default=None, metavar="BOOL", help=text)
+            if o.negatable:
+                p.add_argument("--no-" + o.flag[2:], dest=o.name, action="store_const", const=False,
+                               help=f"the same as {o.flag} false")
         else:
-            p.add_argument(flag, default=None, metavar=o.name.upper(),
-                           help=f"{o.help} (default {o.default!r}; env {env})")
+            metavar = "{" + ",".join(o.choices) + "}" if o.choices else o.name.upper()
+            p.add_argument(o.flag, dest=o.name, default=None, choices=o.choices, metavar=metavar, help=text)
+
+
+def options_markdown() -> str:
+    """The options table of ``docs/multinode.md``: one row per option, the first sentence
+    of its help (``rackmend syncer --help`` prints the whole text)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| flag | environment | TOML key | default | meaning |", "|---|---|---|---|---|"]
+    for o in OPTIONS:
+        flag = f"`{o.flag}`" + (f", `--no-{o.flag[2:]}`" if o.negatable else "")
+        first = re.split(r"(?<=[.?!])\s+(?=[A-Z0-9])", _plain(o.help), maxsplit=1)[0]
+        if o.choices:
+            first += " One of " + ", ".join(f"`{c}`" for c in o.choices) + "."
+        rows.append(f"| {flag} | `{o.env}` | `{o.name}` | `{cell(_show(o.default))}` | {cell(first)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _lookup(o: Option, values: dict[str, Any], key: Any, where: str) -> tuple[Any, str] | None:
+    """The raw value of ``o`` in one source (``values``, keyed by ``key(name)``) and its
+    source's name, with ``no_NAME`` read as the negation."""
+    found = [(values[key(o.name)], key(o.name), False)] if key(o.name) in values else []
+    if o.negatable and key("no_" + o.name) in values:
+        found.append((values[key("no_" + o.name)], key("no_" + o.name), True))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ConfigError(f"{where}: both {found[0][1]} and {found[1][1]} are set; keep one")
+    raw, name, negated = found[0]
+    if negated:
+        try:
+            raw = not _bool(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{where}{name}: {exc}") from None
+    return raw, f"{where}{name}"
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Option values: flag, else environment, else config file, else default. Unknown
-    ``RACKMEND_*`` environment names are warned about (a misspelt one would be ignored)."""
+    """Option values by option name: flag, else environment, else config file, else
+    default. Unknown ``RACKMEND_*`` environment names are warned about (a misspelt one
+    would be ignored); unknown keys in the file are an error."""
     environ = dict(os.environ if environ is None else environ)
     for warning in unknown_environment(environ):
         log.warning("%s", warning)
     file_values: dict[str, Any] = {}
     if args.config is not None:
-        file_values = tomllib.loads(args.config.read_text())
-        unknown = set(file_values) - {o.name for o in OPTIONS}
+        try:
+            file_values = tomllib.loads(args.config.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
+        keys = [o.name for o in OPTIONS] + ["no_" + o.name for o in OPTIONS if o.negatable]
+        unknown = sorted(set(file_values) - set(keys))
         if unknown:
-            raise ConfigError(f"{args.config}: unknown options {sorted(unknown)}")
+            hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, keys, n=1))
+                     else k for k in unknown]
+            raise ConfigError(f"{args.config}: unknown options {', '.join(hints)}; `rackmend syncer --help` "
+                              "lists them")
     out: dict[str, Any] = {}
     for o in OPTIONS:
-        raw, source = getattr(args, o.name), "--" + o.name.replace("_", "-")
-        if raw is None and ENV_PREFIX + o.name.upper() in environ:
-            raw, source = environ[ENV_PREFIX + o.name.upper()], ENV_PREFIX + o.name.upper()
-        if raw is None and o.name in file_values:
-            raw, source = file_values[o.name], f"{args.config}:{o.name}"
-        if raw is None:
+        flag = getattr(args, o.name)
+        found = ((flag, o.flag) if flag is not None else
+                 _lookup(o, environ, lambda n: ENV_PREFIX + n.upper(), "")
+                 or _lookup(o, file_values, lambda n: n, f"{args.config}:"))
+        if found is None:
             out[o.name] = o.default
             continue
+        raw, source = found
         try:
             out[o.name] = o.parse(raw)
         except (ValueError, TypeError) as exc:
@@ -181,7 +319,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
 def unknown_environment(environ: dict[str, str]) -> list[str]:
     """A warning for each ``RACKMEND_*`` name that is neither an option nor a learner-side
     name, with the closest valid name when one is close."""
-    valid = [ENV_PREFIX + o.name.upper() for o in OPTIONS] + list(LEARNER_ENV)
+    valid = ([o.env for o in OPTIONS] + [ENV_PREFIX + "NO_" + o.name.upper() for o in OPTIONS if o.negatable]
+             + list(LEARNER_ENV))
     out = []
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in valid:
@@ -192,29 +331,51 @@ def unknown_environment(environ: dict[str, str]) -> list[str]:
     return out
 
 
-def build(values: dict[str, Any]) -> tuple[RackmendConfig, Any]:
-    from rackmend.service.syncer import ServiceConfig
+def _fields(owner: type, values: dict[str, Any]) -> dict[str, Any]:
+    return {o.field: o.to_field(values[o.name]) for o in OPTIONS if o.owner is owner}
 
-    syncer = SyncerConfig(**{o.name: values[o.name] for o in OPTIONS if o.section == "syncer"},
-                          failslow=not values["no_failslow"])
-    overlap = values["overlap"]
-    config = RackmendConfig(
-        # The syncer learns H and P from the learners' layout; only tau enters its grace window.
-        schedule=ScheduleConfig(sync_every=overlap + 1, num_fragments=1, overlap=overlap),
-        syncer=syncer,
-        learner=LearnerConfig(),
-        compression=CompressionConfig(uplink=values["uplink_codec"], downlink=values["downlink_codec"]),
-        deterministic=values["deterministic"],
+
+def build(values: dict[str, Any]) -> tuple[RunConfig, ServiceConfig]:
+    """The syncer's run config and service config from ``resolve``'s values."""
+    schedule = _fields(ScheduleConfig, values)
+    config = RunConfig(
+        # H and P are placeholders that satisfy tau < H: the run takes them from the first
+        # learner's hello. Only tau enters the syncer's grace window.
+        schedule=ScheduleConfig(sync_every=max(schedule["overlap"], 0) + 1, num_fragments=1, **schedule),
+        syncer=SyncerConfig(**_fields(SyncerConfig, values)),
+        compression=CompressionConfig(**_fields(CompressionConfig, values)),
+        **_fields(RunConfig, values),
     )
-    service = ServiceConfig(
-        bind=values["bind"], insecure=values["insecure"], secret_key_file=values["secret_key"],
-        allowed_keys_dir=values["allowed_keys"], checkpoint_dir=values["checkpoint_dir"],
-        checkpoint_every=values["checkpoint_every"], resume=values["resume"],
-        heartbeat_timeout=values["heartbeat_timeout"], takeover_after=values["takeover_after"],
-        max_message_bytes=None if values["max_message_mb"] is None else int(values["max_message_mb"] * 2**20),
-        log_path=values["log"], init_timeout=values["init_timeout"], log_burst=values["log_burst"],
-    )
-    return config, service
+    return config, ServiceConfig(**_fields(ServiceConfig, values))
+
+
+def _part(config: RunConfig, owner: type) -> Any:
+    if isinstance(config, owner):
+        return config
+    return next(getattr(config, f.name) for f in dataclasses.fields(config)
+                if isinstance(getattr(config, f.name), owner))
+
+
+def config_flags(config: RunConfig) -> list[str]:
+    """``rackmend syncer`` flags that rebuild ``config``'s syncer side (``build``), for
+    values other than the defaults."""
+    flags: list[str] = []
+    for o in OPTIONS:
+        if o.owner is ServiceConfig:
+            continue
+        value = getattr(_part(config, o.owner), o.field)
+        if value == o.default:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, tuple):
+            text = ",".join(value)
+        elif isinstance(value, dict):
+            text = json.dumps(value)
+        else:
+            text = str(value)
+        flags += [o.flag, text]
+    return flags
 
 
 def syncer_main(args: argparse.Namespace) -> int:
@@ -222,17 +383,14 @@ def syncer_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        values = resolve(args)
-        config, service = build(values)
+        config, service = build(resolve(args))
         svc = SyncerService(config, service)
     except ConfigError as exc:
         print(f"rackmend syncer: {exc}", file=sys.stderr)
         return 2
     print(f"rackmend syncer listening on {svc.endpoint}", flush=True)
-    if values["ready_file"]:
-        tmp = Path(values["ready_file"] + ".tmp")
-        tmp.write_text(svc.endpoint)
-        tmp.replace(values["ready_file"])
+    if svc.metrics_url:
+        print(f"rackmend syncer metrics on {svc.metrics_url}", flush=True)
     svc.serve()
     return 0
 

@@ -10,6 +10,7 @@ Nothing here touches sockets; ``service.syncer`` asks these before it acts.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable
@@ -75,7 +76,8 @@ class _Window:
 
 class EventLimiter:
     """At most ``burst`` records per key and ``window`` seconds; the rest are counted
-    and reported by ``expired`` as one summary per key once its window has passed."""
+    and reported by ``expired`` as one summary per key once its window has passed.
+    Thread-safe: the authenticator's thread counts its refusals here too."""
 
     def __init__(self, burst: int = 5, window: float = 10.0) -> None:
         self.burst = burst
@@ -83,10 +85,15 @@ class EventLimiter:
         self._windows: dict[Hashable, _Window] = {}
         self._due: list[tuple[Hashable, int, dict[str, Any]]] = []
         self.suppressed_total = 0
+        self._lock = threading.Lock()
 
     def allow(self, key: Hashable, now: float, **summary_fields: Any) -> bool:
         """Whether a record for ``key`` may be written now; ``summary_fields`` describe
         the key in the summary of what was left out."""
+        with self._lock:
+            return self._allow(key, now, summary_fields)
+
+    def _allow(self, key: Hashable, now: float, summary_fields: dict[str, Any]) -> bool:
         w = self._windows.get(key)
         if w is None or now - w.start >= self.window:
             if w is not None and w.suppressed:
@@ -102,13 +109,14 @@ class EventLimiter:
     def expired(self, now: float) -> list[tuple[Hashable, int, dict[str, Any]]]:
         """(key, records left out, fields) of each window that has passed with some left
         out; windows that passed are forgotten (so idle peers cost nothing)."""
-        out, self._due = self._due, []
-        for key, w in list(self._windows.items()):
-            if now - w.start >= self.window:
-                if w.suppressed:
-                    out.append((key, w.suppressed, w.fields))
-                del self._windows[key]
-        return out
+        with self._lock:
+            out, self._due = self._due, []
+            for key, w in list(self._windows.items()):
+                if now - w.start >= self.window:
+                    if w.suppressed:
+                        out.append((key, w.suppressed, w.fields))
+                    del self._windows[key]
+            return out
 
     def flush(self) -> list[tuple[Hashable, int, dict[str, Any]]]:
         """Every pending summary, windows passed or not (at shutdown)."""

@@ -7,6 +7,10 @@ the bytes' format and validation in ``rackmend.transport.wire``.
 One thread, one loop: poll the socket until the next grace deadline, heartbeat
 check or stop request, feed what arrived to the core, carry out its actions.
 
+It feeds the syncer's Prometheus metrics (``rackmend.service.metrics``) from the
+core's actions and records and from what it measures itself, and serves them on
+``metrics_port`` when set.
+
 It also answers read-only ``status`` requests (``rackmend status``) from what it
 tracks per learner (ranks, state, bytes, step time, version lag) and per fragment;
 such a client passes the same Curve authentication as a learner but never becomes a
@@ -15,10 +19,8 @@ member of a round.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import json
-import dataclasses
 import logging
 import secrets
 import signal
@@ -31,11 +33,11 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from rackmend.config import ConfigError, RackmendConfig, ScheduleConfig
+from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
 from rackmend.core.assembly import Assembler, assemble
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
-from rackmend.core.failslow import AdviseLearner
+from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -52,6 +54,7 @@ from rackmend.core.syncer import (
 )
 from rackmend.service.checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from rackmend.service.identity import EventLimiter, load_key_ids
+from rackmend.service.metrics import SyncerMetrics, is_loopback_host
 from rackmend.transport import wire
 from rackmend.transport.outbox import SHORT_HWM, Outbox
 
@@ -89,15 +92,15 @@ class ServiceConfig:
     insecure: bool = False
     """Allow a non-loopback bind without CurveZMQ (traffic unauthenticated and in clear)."""
 
-    secret_key_file: str | None = None
+    secret_key_file: str | None = field(default=None, metadata={OPTION: "secret_key"})
     """The syncer's ``.key_secret`` file from ``rackmend keygen``; turns CurveZMQ on."""
 
-    allowed_keys_dir: str | None = None
-    """Directory of learners' public ``.key`` files; only those may connect (needs
-    ``secret_key_file``)."""
+    allowed_keys_dir: str | None = field(default=None, metadata={OPTION: "allowed_keys"})
+    """Directory of learners' public ``.key`` files; only those may connect (needs the
+    syncer's secret key, ``secret_key_file``)."""
 
     checkpoint_dir: str | None = None
-    """Where checkpoints go; None disables them."""
+    """Directory checkpoints are written to; unset (None): no checkpoints."""
 
     checkpoint_every: int = 50
     """Write a checkpoint every this many merges (and always on SIGTERM/SIGINT)."""
@@ -110,8 +113,9 @@ class ServiceConfig:
     rounds stop waiting for it. Learners send heartbeats every second by default;
     set this to several heartbeat periods so a busy learner is not dropped."""
 
-    max_message_bytes: int | None = None
-    """Messages larger than this are rejected (logged, answered); beyond twice this
+    max_message_bytes: int | None = field(default=None, metadata={OPTION: "max_message_mb", OPTION_SCALE: 2**20})
+    """Largest message accepted: bytes here, MiB as ``rackmend syncer --max-message-mb``;
+    larger ones are rejected (logged, answered). Beyond twice this
     ZeroMQ drops the sender's connection before reading the message into memory.
     None: follow the model, its largest fragment plus the header bound (with
     ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap stays at
@@ -126,8 +130,8 @@ class ServiceConfig:
     impersonate a live learner. A restarted learner process waits this long at most;
     keep it above a few heartbeat periods of the learners (1 s by default)."""
 
-    log_path: str | None = None
-    """JSONL file of every event (merges, joins, rejections); None: not written."""
+    log_path: str | None = field(default=None, metadata={OPTION: "log"})
+    """JSONL file of every event (merges, joins, rejections); unset (None): not written."""
 
     init_timeout: float = 60.0
     """Seconds a fresh syncer waits for the next initial value (``init``) from the
@@ -142,7 +146,26 @@ class ServiceConfig:
     window, so a junk flood cannot fill the disk. Raise it to see every rejection of
     one misbehaving learner."""
 
+    ready_file: str | None = None
+    """Once the socket is bound and the loop serves, the bound endpoint is written to
+    this file (atomically: a reader never sees half of it), for scripts that start the
+    syncer on port 0. None: not written."""
+
+    metrics_port: int = 0
+    """TCP port of the Prometheus endpoint (``http://HOST:PORT/metrics``); 0: none.
+    ``docs/operations.md`` lists the metrics."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint listens on. Metrics are served without
+    authentication: keep the loopback default and scrape from this machine, or put a
+    firewall in front (a warning is logged for any other address)."""
+
     def validate(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics endpoint; got "
+                              f"{self.metrics_port} (--metrics-port)")
+        if not self.metrics_host.strip():
+            raise ConfigError("metrics_host is empty; give an address such as 127.0.0.1 (--metrics-host)")
         if self.log_burst < 1:
             raise ConfigError(f"log_burst must be >= 1 records per window, got {self.log_burst}")
         if not self.init_timeout > 0:
@@ -174,13 +197,8 @@ class ServiceConfig:
 def _is_loopback(endpoint: str) -> bool:
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
-    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', interface names, host names: not provably loopback
+    # '*', interface names, host names: not provably loopback
+    return is_loopback_host(endpoint.split("://", 1)[-1].rsplit(":", 1)[0])
 
 
 class _AuthLog:
@@ -280,13 +298,19 @@ class _Pending:
 
 
 class SyncerService:
-    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread)."""
+    """Serve learners until ``stop()`` (or SIGTERM/SIGINT when run in the main thread).
 
-    def __init__(self, config: RackmendConfig, service: ServiceConfig,
+    ``config`` holds the run's settings on the syncer's side; of its schedule only
+    ``overlap`` counts. H, P and the apply rule are the learners': the first learner's
+    hello sets them for the run (a ``RackmendConfig``'s ``learner`` part is not read)."""
+
+    def __init__(self, config: RunConfig, service: ServiceConfig,
                  *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.service = service
         self.clock = clock
+        self.metrics = SyncerMetrics(clock)
+        """Counted whether or not they are served (``metrics_port``)."""
         self.core: SyncerCore | None = None
         self.peers: dict[bytes, _Peer] = {}
         self.rejected_messages = 0
@@ -347,6 +371,14 @@ class SyncerService:
         self._setup_curve()
         self.sock.bind(service.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.metrics_url: str | None = None
+        """Where ``/metrics`` is served; None without ``metrics_port``."""
+        if service.metrics_port:
+            try:
+                self.metrics_url = self.metrics.serve(service.metrics_host, service.metrics_port)
+            except ConfigError:
+                self.sock.close(linger=0)
+                raise
 
     # ------------------------------------------------------------------ running
     def serve(self) -> None:
@@ -360,7 +392,12 @@ class SyncerService:
                 self._event("checkpoint_tmp_removed", paths=[str(p) for p in removed])
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
-        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch)
+        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch,
+                    metrics=self.metrics_url)
+        if self.service.ready_file:
+            tmp = Path(self.service.ready_file + ".tmp")
+            tmp.write_text(self.endpoint, encoding="utf-8")
+            tmp.replace(self.service.ready_file)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         try:
@@ -417,10 +454,13 @@ class SyncerService:
             self._peer_event(ident, "bad_message", peer=ident.hex(), reason=str(exc))
             self._reply_error(ident, "bad_message", str(exc))
         finally:
-            stats = self._stats.get(msg.header.get("learner", "")) if msg is not None else None
+            lid = msg.header.get("learner", "") if msg is not None else ""
+            stats = self._stats.get(lid)
+            nbytes = _nbytes(body)
             if stats is not None:  # only ids that passed a hello: a stranger cannot grow this table
-                stats.bytes_in += _nbytes(body)
+                stats.bytes_in += nbytes
                 stats.last_seen = self.clock()
+            self.metrics.received(lid if stats is not None else None, nbytes)
 
     def _answer_status(self, ident: bytes, msg: wire.Message) -> None:
         """Read-only: answered from the current state, the asker never becomes a peer
@@ -528,6 +568,7 @@ class SyncerService:
         stats.contributions += 1
         stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
         stats.based[p] = (contribution.base_version, self.core.versions[p] - contribution.base_version)
+        self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
         self._drive(ContributionArrived(contribution))
 
     def _hello(self, ident: bytes, msg: wire.Message, admitted: bool = False) -> None:
@@ -578,6 +619,7 @@ class SyncerService:
         cuts = [None if not ps or is_whole(f, ps) else ps for f, ps in zip(self.core.fragments, pieces)]
         self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock(), pieces, cuts)
         stats.state = "connected"
+        self.metrics.joined(lid)
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
@@ -609,8 +651,8 @@ class SyncerService:
             reason = (f"learner {lid}'s ranks do not share its tensors out exactly: {problem}. Each rank must "
                       "declare the blocks it holds of each DTensor (rackmend.learner.pieces does this from the "
                       "placements); are all ranks running the same model and sharding?")
-            self._event("settings_refused", learner=lid, rank=hello.rank, setting="pieces", learner_value=None,
-                        syncer_value=None, reason=reason)
+            self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting="pieces",
+                             learner_value=None, syncer_value=None, reason=reason)
             log.warning("refused learner %s: %s", lid, reason)
             idents = list(gate) + [i for i, p in self.peers.items() if p.learner_id == lid]
             del self._gate[lid]
@@ -645,17 +687,20 @@ class SyncerService:
         owners = self._learner_pieces.get(c.learner_id, {})
         expected = frozenset(r for r, ps in owners.items() if ps[p])
         whole, records = self._assembler.add(c, expected, self.clock())
-        for record in records:
-            self._record(record)
+        self._assembly_records(records)
         return whole
+
+    def _assembly_records(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.metrics.record(record)  # an incomplete contribution counts as rejected
+            self._record(record)
 
     def _expire_pieces(self) -> None:
         """Drop partial contributions that waited too long for a rank, and hellos of
         ranks that went silent at the gate."""
         now, bound = self.clock(), self.service.heartbeat_timeout
         if self._assembler is not None:
-            for record in self._assembler.expire(now, bound):
-                self._record(record)
+            self._assembly_records(self._assembler.expire(now, bound))
         for lid, gate in list(self._gate.items()):
             for ident in [i for i, g in gate.items() if now - g.last_seen > bound]:
                 del gate[ident]
@@ -803,13 +848,16 @@ class SyncerService:
         """The core, with the run's H, P, tau and apply rule taken from the learner that
         set them (the syncer has no value of its own for H, P and the apply rule, and
         its grace window depends on them)."""
-        config = self.config
+        run = self.config
+        schedule, learner = run.schedule, LearnerConfig()
         if settings is not None:
-            config = config.replace(
-                schedule=ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
-                                        overlap=config.schedule.overlap),
-                learner=dataclasses.replace(config.learner, apply=settings.apply))
+            schedule = ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
+                                      overlap=run.schedule.overlap)
+            learner = LearnerConfig(apply=settings.apply)
+        config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
+                                deterministic=run.deterministic, learner=learner)
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        self.metrics.versions(self.core.versions)
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
@@ -820,6 +868,8 @@ class SyncerService:
         assert self.core is not None
         t0 = self.clock()
         merged: list[int] = []
+        if isinstance(event, LearnerLeft):
+            self.metrics.left(event.learner_id)
         for action in self.core.handle(event, t0):
             if isinstance(action, SendUpdate):
                 frames = None  # shared by every peer that receives the whole fragment
@@ -832,6 +882,7 @@ class SyncerService:
                         self._send_update(ident, action.update, mine, reset=action.reset)
             elif isinstance(action, LogRecord):
                 record = action.record
+                self.metrics.record(record)  # before the log's rate limit: metrics count every one
                 if record["event"] != "reject" or self._limiter.allow(("reject", record["learner"]), t0,
                                                                       learner=record["learner"]):
                     self._record(record)
@@ -847,11 +898,15 @@ class SyncerService:
                         "t": action.record["t"], "version": action.record["version"],
                         "merged": list(action.record["merged"])}
             elif isinstance(action, AdviseLearner):
+                self.metrics.failslow(action)
                 frames = wire.fail_slow_frames(action.report)
                 for ident in self._ranks_of(action.report.learner):  # every rank: any may act on it
                     self._send(ident, list(frames))
+            elif isinstance(action, (FailSlowBlip, StopExpecting, MarkForEviction, RestoreLearner)):
+                self.metrics.failslow(action)  # the core applied it to membership already
         if merged:
             seconds = (self.clock() - t0) / len(merged)
+            self.metrics.merge_compute([seconds] * len(merged))
             for p in merged:
                 self.core.handle(SyncTimed(p, seconds), self.clock())
             before = self.merges // self.service.checkpoint_every
@@ -861,8 +916,7 @@ class SyncerService:
 
     def _forget_pieces(self, lid: str, reason: str) -> None:
         if self._assembler is not None:
-            for record in self._assembler.forget(lid, self.clock(), reason):
-                self._record(record)
+            self._assembly_records(self._assembler.forget(lid, self.clock(), reason))
 
     def _ranks_of(self, lid: str) -> list[bytes]:
         return [i for i, p in self.peers.items() if p.learner_id == lid]
@@ -897,9 +951,20 @@ class SyncerService:
         self._send(ident, wire.encode({"type": "error", "code": code, "reason": reason}), droppable=True)
 
     def _peer_event(self, ident: bytes, event: str, **fields: Any) -> None:
-        """A record of bad input from one connection, rate-limited per connection and kind."""
+        """A record of bad input from one connection, rate-limited per connection and kind
+        (counted in the metrics, by ``event``, whether logged or not)."""
+        self.metrics.refusal(event)
         if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
             self._event(event, **fields)
+
+    def _auth_denied(self, text: str) -> None:
+        """A refused Curve handshake, from the authenticator's thread. A client with an
+        unknown key retries every reconnect interval, and a stranger can mint keys at
+        will, so refusals share one rate limit, with a count of those left out (all are
+        counted in the metrics)."""
+        self.metrics.refusal("auth_denied")
+        if self._limiter.allow(("auth_denied",), self.clock()):
+            self._event("auth_denied", reason=text)
 
     def _summarise_suppressed(self, expired: list[tuple[Any, int, dict[str, Any]]]) -> None:
         for key, count, fields in expired:
@@ -924,12 +989,15 @@ class SyncerService:
         box = self._outboxes.get(ident)
         if box is None:
             return
-        stats = self._stats.get(self._ident_learner.get(ident, ""))
+        lid = self._ident_learner.get(ident, "")
+        stats = self._stats.get(lid)
 
         def send(frames: list[Any]) -> None:
             self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+            nbytes = _nbytes(frames)
             if stats is not None:
-                stats.bytes_out += _nbytes(frames)
+                stats.bytes_out += nbytes
+            self.metrics.sent(lid if stats is not None else None, nbytes)
 
         try:
             done = box.flush(send)
@@ -953,6 +1021,7 @@ class SyncerService:
             meta["first_learner"] = {"learner": self._first[0], "settings": self._first[1].to_wire()}
         path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
         self._checkpoint_at = self.clock()
+        self.metrics.checkpointed(self._checkpoint_at)
         self._event("checkpoint", path=str(path), versions=list(self.core.versions))
         return path
 
@@ -979,6 +1048,7 @@ class SyncerService:
             "grace_s": round(core.grace(), 4) if core is not None else None,
             "curve": bool(self.service.secret_key_file),
             "checkpoint_age_s": age(self._checkpoint_at),
+            "metrics": self.metrics_url,
             "status_requests": self.status_requests,
         }
         fragments: list[dict[str, Any]] = []
@@ -1037,6 +1107,7 @@ class SyncerService:
         self._start_core(layout, values, None if self._first is None else self._first[1])
         assert self.core is not None
         self.core.load_state_dict(tensors, meta)
+        self.metrics.versions(self.core.versions)
         self.merges = int(meta.get("merges", 0))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
         self._event("resumed", versions=list(self.core.versions))
@@ -1051,8 +1122,7 @@ class SyncerService:
         public, secret = zmq.auth.load_certificate(s.secret_key_file)
         if secret is None:
             raise ConfigError(f"{s.secret_key_file} holds no secret key; pass the .key_secret file")
-        self._auth = ThreadAuthenticator(
-            self._ctx, log=_AuthLog(lambda text: self._event("auth_denied", reason=text)))  # type: ignore[arg-type]
+        self._auth = ThreadAuthenticator(self._ctx, log=_AuthLog(self._auth_denied))  # type: ignore[arg-type]
         self._auth.start()
         if s.allowed_keys_dir:
             self._key_ids = load_key_ids(s.allowed_keys_dir)
@@ -1078,6 +1148,7 @@ class SyncerService:
                         replies_dropped=self.replies_dropped, log_suppressed=self._limiter.suppressed_total,
                         queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
+            self.metrics.close()
             if self._auth is not None:
                 self._auth.stop()
             with self._log_lock:

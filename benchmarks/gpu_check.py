@@ -1,0 +1,54 @@
+"""Everything that needs a GPU, in one command (``make gpu-check``): a few minutes.
+
+1. every CUDA test (``pytest -m cuda``: codecs on the device, learners on the device
+   against the reference, multi-GPU racks where there are GPUs for them);
+2. the codecs on the device (``benchmarks/codecs.py --quick --device cuda``);
+3. the learner-overhead benchmark on the device, one process and, with two or more
+   GPUs, an FSDP2 rack over two of them (``benchmarks/learner_overhead.py``).
+
+Each part prints its own table and ``RESULT`` line; this script adds one ``RESULT`` line
+per part with its exit status and wall time, and exits non-zero when any part failed.
+CI has no GPU and never runs it; record the numbers in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print(f"gpu-check: torch {torch.__version__} sees no CUDA device; nothing to check here", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count()
+    print(f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}", flush=True)
+    py = sys.executable
+    parts = [
+        ("cuda_tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", str(HERE.parent / "tests")]),
+        ("codecs", [py, str(HERE / "codecs.py"), "--quick", "--device", "cuda",
+                    "--out", str(HERE / "results" / "codecs-cuda.json")]),
+        ("learner_overhead_single", [py, str(HERE / "learner_overhead.py"), "--device", "cuda"]),
+    ]
+    if gpus >= 2:
+        parts.append(("learner_overhead_fsdp", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
+                                                "--rack", "fsdp", "--ranks", "2"]))
+    failed = 0
+    for name, cmd in parts:
+        print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd).returncode
+        failed += rc != 0
+        print(f"RESULT part={name} rc={rc} wall_s={time.monotonic() - t0:.1f}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The CUDA paths of the learner: parameters on a GPU, snapshots copied to pinned host
+buffers on a side stream, updates written back to the device. Skipped without CUDA
+(CI has none); ``make gpu-check`` runs them with the other CUDA tests.
+
+A GPU's kernels round differently from the CPU's, so these compare a CUDA run with the
+plain reference run *on the same device* (``tests/reference.py``), which computes the
+outer gradients on the device while rackmend computes them on its host snapshot:
+subtraction is exact on both, so the learners' parameters must agree to float32
+rounding of the outer optimizer's foreach kernels (asserted to 1e-6 relative). A
+snapshot copied before the step's kernels finished, or after the next step's, would
+hold another model and miss by far more.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.transport.inprocess import InProcessSyncer
+
+from helpers import batch, make_inner, make_model, train
+from reference import reference_run
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+class OnDevice(nn.Module):
+    """The tests' TinyLM on a device; batches (made on the host) follow it there."""
+
+    def __init__(self, inner: nn.Module, device: str) -> None:
+        super().__init__()
+        self.lm = inner.to(device)
+        self.device = device
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lm(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+
+
+def _cuda_model() -> nn.Module:
+    return OnDevice(make_model(), "cuda")
+
+
+def test_cuda_learners_match_the_reference_on_the_device() -> None:
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1),
+        syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1")),
+        learner=LearnerConfig(wait_timeout=60),
+        deterministic=True,
+    )
+    ids, steps = ["l0", "l1"], 12
+    init = OnDevice(make_model(), "cpu")  # the syncer holds host tensors, as in the service
+    hub = InProcessSyncer.for_model(config, init)
+    models = {lid: _cuda_model() for lid in ids}
+    errors: list[BaseException] = []
+
+    def learner(lid: str) -> None:
+        try:
+            opt = RackmendOptimizer(models[lid], make_inner(models[lid]), config, hub.connect(), learner_id=lid)
+            train(opt, models[lid], lid, range(1, steps + 1))
+            opt.close()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(lid,)) for lid in ids]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    hub.close()
+    assert not errors, errors
+    assert len(hub.merges()) >= 6
+    ref_models, _ = reference_run(_cuda_model, make_inner, batch, config, ids, steps)
+    for lid in ids:
+        got = dict(models[lid].named_parameters())
+        for name, ref in ref_models[lid].named_parameters():
+            assert got[name].is_cuda, f"{lid}.{name} left the device"
+            torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=f"{lid}.{name}")
