@@ -68,10 +68,16 @@ def arms(M: int, H: int) -> dict[str, tuple[RackmendConfig, int]]:
     }
 
 
+GUARD_EVENTS: list[int] = []
+"""Norm-guard clips per run, in run order (reported: honest training should have none)."""
+
+
 def run(cfg: RackmendConfig, learners: int, steps_total: int, seed: int, corpus: ByteCorpus) -> float:
     """Held-out loss of the global model after ``steps_total`` learner steps in all."""
     s = DemoSettings(learners=learners, steps=steps_total // learners, seed=seed, evals=1)
-    return train_arm("q", cfg, s, corpus).points[-1][2]
+    result = train_arm("q", cfg, s, corpus)
+    GUARD_EVENTS.append(result.guard_events)
+    return result.points[-1][2]
 
 
 def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -207,6 +213,9 @@ def main() -> None:
                                        seeds)
         result.update({f"hetero_{k.replace(' ', '').replace(',', '_')}_loss": v["loss"]
                        for k, v in out["hetero"].items()})
+    out["guard_events"] = GUARD_EVENTS
+    result["guard_events"] = sum(GUARD_EVENTS)
+    print(f"norm guard: {sum(GUARD_EVENTS)} contributions clipped in {len(GUARD_EVENTS)} runs")
     finish("quality" if args.section == "all" else f"quality-{args.section}", args.out, out, result)
 
 

@@ -138,7 +138,7 @@ def main() -> int:
         saved = {"versions": torch.tensor(opt.versions)}
         for f, held in zip(opt.fragments, opt.held):
             for i, value in enumerate(held):
-                block = opt._pieces.blocks[f.index][i]
+                block = opt.core.fragments[f.index].pieces[i]
                 saved[f"held/{f.index}/{i}"] = value.contiguous().clone()
                 place = [*block.offsets, *block.shape] if block is not None else []
                 saved[f"place/{f.index}/{i}"] = torch.tensor(place, dtype=torch.int64)

@@ -1,5 +1,6 @@
 """The sans-I/O core: fragments and schedule, merge math, the syncer state machine,
-fail-slow detection.
+the learner state machine (``core.learner``: its events and actions are imported
+from there), fail-slow detection.
 
 Nothing in this package reads a clock, sleeps, starts a thread or touches a socket;
 time comes in as ``now`` arguments. Transports and simulators drive it.
@@ -24,6 +25,7 @@ from rackmend.core.fragments import (
     fragments_due,
     pack_fragments,
 )
+from rackmend.core.learner import FragmentState, LearnerCore
 from rackmend.core.merge import contribution_weight, merge_deltas, normalized_weights
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.syncer import (
@@ -57,6 +59,8 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "pack_fragments",
+    "FragmentState",
+    "LearnerCore",
     "contribution_weight",
     "merge_deltas",
     "normalized_weights",

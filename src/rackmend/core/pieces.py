@@ -5,7 +5,9 @@ parameter. A *piece* names such a block: the tensor's index in its fragment, the
 block's offsets in the global tensor and its shape. A rank *owns* the pieces it
 sends and receives; where several ranks hold the same block (DDP, HSDP's replicate
 dimension, a TP ``Replicate`` placement) exactly one of them owns it, chosen by
-``owner`` (the one place that rule is written). A plain rack's rank owns whole
+``owner`` (the one place that rule is written). ``rank_layout`` applies it to every
+rank's blocks (``RackBlocks``, gathered by the learner driver) and gives one rank's
+``RankLayout``, which the learner core runs on. A plain rack's rank owns whole
 tensors: ``whole_pieces`` gives that layout, which is the one a learner that declares
 no pieces at hello has.
 
@@ -27,9 +29,16 @@ from rackmend.core.fragments import FragmentSpec, TensorSpec
 __all__ = [
     "Piece",
     "RankPieces",
+    "RackBlocks",
+    "RankLayout",
+    "Holding",
     "owner",
+    "holders",
+    "rank_layout",
+    "plain_layout",
     "whole_pieces",
     "is_whole",
+    "wire_pieces",
     "pieces_problem",
     "cover_problem",
     "piece_spec",
@@ -64,6 +73,11 @@ RankPieces = tuple[tuple[Piece, ...], ...]
 """Per fragment, the pieces one rank owns, in tensor order (an empty tuple: none)."""
 
 
+RackBlocks = Sequence[Sequence[Sequence[Piece | None]]]
+"""Per rank of a rack, per fragment and tensor: the block that rank holds (None: it
+holds no element of that tensor, e.g. an empty uneven shard)."""
+
+
 def owner(fragment: int, holders: Sequence[int]) -> int:
     """The rank that sends and receives a block several ranks hold: the
     ``fragment mod len(holders)``-th of them in ascending order. For a plain rack
@@ -73,19 +87,89 @@ def owner(fragment: int, holders: Sequence[int]) -> int:
     return ranks[fragment % len(ranks)]
 
 
+@dataclass(frozen=True)
+class Holding:
+    """A block some ranks of a rack hold, those ranks (ascending) and which of them owns it."""
+
+    block: Piece
+    ranks: tuple[int, ...]
+    owner: int
+
+
+def holders(fragments: Sequence[FragmentSpec], rack: RackBlocks) -> list[list[list[Holding]]]:
+    """Per fragment and tensor: each distinct block some rank of ``rack`` holds, with the
+    ranks holding it and its ``owner``, ordered by those ranks. The same on every rank
+    given the same ``rack``, so collective set-up (process groups) can follow this order."""
+    out = []
+    for f in fragments:
+        per_tensor = []
+        for i in range(len(f.tensors)):
+            by_block: dict[Piece, list[int]] = {}
+            for r, blocks in enumerate(rack):
+                if blocks[f.index][i] is not None:
+                    by_block.setdefault(blocks[f.index][i], []).append(r)
+            per_tensor.append([Holding(b, tuple(rs), owner(f.index, rs))
+                               for b, rs in sorted(by_block.items(), key=lambda kv: kv[1])])
+        out.append(per_tensor)
+    return out
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's part of its rack, per fragment: the block it holds of each tensor and
+    the pieces it owns (sends, and receives merged values of). Build with
+    ``rank_layout`` or ``plain_layout``."""
+
+    blocks: tuple[tuple[Piece | None, ...], ...]
+    """Per fragment and tensor, this rank's block (None: it holds nothing of the tensor).
+    A fragment's local value is one tensor per entry, in this order."""
+    owned: RankPieces
+    """Per fragment, the blocks of ``blocks`` this rank owns, in tensor order."""
+    sharded: bool
+    """Whether ``owned`` differs from a plain rack's whole-fragment striping: then the
+    pieces travel in the hello and in every message."""
+
+
+def rank_layout(fragments: Sequence[FragmentSpec], rack: RackBlocks, rank: int) -> RankLayout:
+    """``rank``'s layout in ``rack``: of every block several ranks hold, ``owner`` picks
+    the one that owns it."""
+    if not 0 <= rank < len(rack):
+        raise ValueError(f"rank {rank} is not in the rack's 0..{len(rack) - 1}")
+    mine = rack[rank]
+    if len(mine) != len(fragments) or any(len(b) != len(f.tensors) for f, b in zip(fragments, mine)):
+        raise ValueError(f"rank {rank}'s blocks do not match the layout of {len(fragments)} fragments "
+                         "(one entry per fragment, one block or None per tensor)")
+    owned = tuple(tuple(h.block for per_tensor in per_fragment for h in per_tensor if h.owner == rank)
+                  for per_fragment in holders(fragments, rack))
+    return RankLayout(tuple(tuple(b) for b in mine), owned, owned != whole_pieces(fragments, rank, len(rack)))
+
+
+def plain_layout(fragments: Sequence[FragmentSpec], rank: int, world: int) -> RankLayout:
+    """A plain rack's rank (DDP, or one process): it holds every tensor whole and owns the
+    fragments ``owner`` stripes onto it."""
+    return RankLayout(tuple(_whole(f) for f in fragments), whole_pieces(fragments, rank, world), False)
+
+
 def whole_pieces(fragments: Sequence[FragmentSpec], rank: int, world: int) -> RankPieces:
     """What ``rank`` of a plain rack of ``world`` ranks owns: every tensor of the fragments
     ``owner`` gives it, whole."""
-    return tuple(
-        tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(f.tensors))
-        if owner(f.index, range(world)) == rank else ()
-        for f in fragments)
+    return tuple(_whole(f) if owner(f.index, range(world)) == rank else () for f in fragments)
+
+
+def _whole(spec: FragmentSpec) -> tuple[Piece, ...]:
+    return tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(spec.tensors))
 
 
 def is_whole(spec: FragmentSpec, pieces: Sequence[Piece]) -> bool:
     """Whether ``pieces`` are every tensor of ``spec``, whole (one rank owns the fragment)."""
     return (len(pieces) == len(spec.tensors)
             and all(pc.tensor == i and pc.covers(t) for i, (pc, t) in enumerate(zip(pieces, spec.tensors))))
+
+
+def wire_pieces(spec: FragmentSpec, pieces: Sequence[Piece]) -> tuple[Piece, ...] | None:
+    """What a message about ``spec`` carrying ``pieces`` names: None when they are the
+    whole fragment (it travels as from a plain rack), else the pieces."""
+    return None if is_whole(spec, pieces) else tuple(pieces)
 
 
 def pieces_problem(fragments: Sequence[FragmentSpec], pieces: RankPieces) -> str | None:

@@ -75,6 +75,8 @@ class ArmResult:
     blocked_s: dict[str, float]
     bytes_up: int
     merges: int
+    guard_events: int = 0
+    """Contributions the syncer's norm guard clipped (honest training should have none)."""
 
     @property
     def utilization(self) -> float:
@@ -165,4 +167,5 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
     if errors:
         raise errors[0]
     points.append((s.learners * s.steps * tokens_per_step, wall, global_loss()))
-    return ArmResult(name, points, wall, compute, blocked, sum(sent.values()), len(hub.merges()))
+    return ArmResult(name, points, wall, compute, blocked, sum(sent.values()), len(hub.merges()),
+                     sum(1 for e in hub.events if e["event"] == "guard"))

@@ -2,12 +2,15 @@
 
 ``RackmendOptimizer(model, inner, config, link, learner_id=...)`` behaves like the
 inner optimizer (``step``, ``zero_grad``, ``param_groups``, ``state_dict``). After
-each inner step it counts steps and tokens per fragment, sends the fragments that
-are due (outer gradient = global value held - local value, computed on a host
-snapshot), and applies merged values that came back by the configured rule. It
-blocks only when joining and, in deterministic mode, at t_send + tau. A merged
-value is applied only at t_send + tau of this learner's own send (or the first step
-after it arrives, if later), never in between.
+each inner step it feeds rackmend's sans-I/O learner core (``rackmend.core.learner``,
+which owns the rules: when a fragment is due, the outer gradient, the counters,
+when and how a merged value applies, what deterministic mode waits for) and carries
+out the core's actions: host snapshots of fragments (pinned buffers on a side
+stream on CUDA), sends and waits on the link, the collectives between the ranks of
+a multi-rank learner (``rackmend.learner.pieces``: agreeing on what changes, bringing
+received values to every rank, also for sharded DTensor parameters), writes into
+the model's parameters, merge-gain probes and user callbacks. It owns the model, the inner optimizer, the link and the clock. It
+blocks only when joining and, in deterministic mode, at t_send + tau.
 
 It honours the ``torch.optim.Optimizer`` contract: step and state_dict hooks,
 LR schedulers (``param_groups`` are the inner optimizer's), ``zero_grad``.
@@ -20,22 +23,39 @@ The transport is whatever ``LearnerLink`` is passed in; nothing here knows socke
 from __future__ import annotations
 
 import logging
-import math
 import os
-import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import ConfigError, RackmendConfig
 from rackmend.core.failslow import FailSlowReport
-from rackmend.core.fragments import FragmentSpec, fragment_tensors, fragments_due, pack_fragments
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.fragments import FragmentSpec, fragment_tensors, pack_fragments
+from rackmend.core.learner import (
+    ApplyDue,
+    ApplyValue,
+    Change,
+    ChangeAgreed,
+    InnerStepDone,
+    JoinedValue,
+    LearnerAction,
+    LearnerCore,
+    Log,
+    ProbeMeasured,
+    Rebase,
+    SendFragment,
+    SetValue,
+    ShareChanges,
+    SnapshotTaken,
+    TakeSnapshot,
+    TrainingResumed,
+    WaitAnswered,
+    WaitForVersion,
+)
+from rackmend.core.messages import Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.pieces import RackPieces
 from rackmend.learner.tensorboard import LearnerScalars
@@ -48,15 +68,6 @@ log = logging.getLogger("rackmend.learner")
 
 class ResumeOrderError(RuntimeError):
     """The model's parameters were overwritten after ``load_state_dict`` rebased them."""
-
-
-@dataclass
-class _Pending:
-    """A fragment sent and not yet answered."""
-
-    t_send: int
-    snapshot: list[torch.Tensor] | None  # host copy at send time, kept for keep_local
-    counts_at_send: tuple[int, float, float]
 
 
 class RackmendOptimizer(torch.optim.Optimizer):
@@ -119,9 +130,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.count_tokens = count_tokens
         self.probe_loss = probe_loss
         self._warned_tokens = False
-        # Inside a multi-rank learner (torchrun), rank r owns fragments p = r mod world:
-        # only it sends them and talks to the syncer about them; merged values reach the
-        # other ranks by broadcast, at the same step on every rank.
+        # Inside a multi-rank learner (torchrun), one rank owns each block of each fragment
+        # (core.pieces.owner): only it sends it and talks to the syncer about it; merged
+        # values reach the ranks holding copies by broadcast, at the same step on every rank.
         self._group = process_group
         dist = torch.distributed
         self._dist = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
@@ -140,49 +151,25 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
                                                      buffers=sch.sync_buffers)
         self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)
-        """This rank's blocks of each fragment, which of them it owns, how copies reach other ranks."""
+        """This rank's blocks of each fragment and how copies reach the other ranks."""
         self._params: list[list[torch.Tensor]] = self._pieces.local
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
-        DTensor, this rank's local shard (a view: writing it writes the parameter)."""
-        n = len(self.fragments)
-        self._rule = config.apply_rule()
-        """``learner.apply`` with ``auto`` resolved."""
-        self.step_count = 0
-        self.versions = [0] * n
-        self.epochs = [0] * n
-        """Per fragment, the syncer epoch of the held value (``Update.epoch``)."""
-        self.held: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        self.c_steps = [0] * n
-        self.c_tokens = [0.0] * n
-        self.c_time = [0.0] * n
-        self._pending: dict[int, _Pending] = {}
-        self._arrived: dict[int, Update] = {}
-        self._last_step_end: float | None = None
+        DTensor, this rank's local shard (a view: writing it writes the parameter). The
+        pieces the core's values and actions are about."""
+        self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
+                                world_size=self.world_size, layout=self._pieces.layout)
+        """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
+        self._clock: Callable[[], float] = time.perf_counter
         self._rebased: list[tuple[torch.Tensor, int]] | None = None
         """Set by load_state_dict when it rebased: each tensor and its version counter then."""
         self.blocked_seconds = 0.0
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
         """Bytes of outer gradients sent (encoded bytes with a lossy uplink codec)."""
-        uplink = config.compression.build_uplink()
-        self._uplink: FeedbackEncoder | None = None if uplink.lossless else FeedbackEncoder(uplink)
-        """Error feedback and codec state per (fragment, tensor) of a lossy uplink codec.
-        Only the owner rank of a fragment encodes it (it is the only one sending)."""
-        config.compression.require_float32(
-            "uplink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
         self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
         self._pinned: dict[int, list[torch.Tensor]] = {}
-        self.merge_gains: list[float | None] = [None] * n
-        """Per fragment, the relative probe-loss change (before - after) / before of the
-        last merged value applied; None until measured."""
-        self._gain_to_report: dict[int, float] = {}
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
-        self.version_lags: list[int] = [0] * n
-        """Per fragment, for the last merged value applied: how many versions it lies beyond
-        the next one after the value held before (0: the very next version; more: merges
-        happened in between, e.g. this learner's contribution came late). Counted within
-        one syncer epoch; a value of a new epoch counts 0."""
         self.on_fail_slow: Callable[[FailSlowReport], None] = self._warn_fail_slow
         """Called (on the training thread, inside ``step``) with each fail-slow report the
         syncer sends this learner: ``state`` slow (rounds no longer wait for it), evict
@@ -190,12 +177,65 @@ class RackmendOptimizer(torch.optim.Optimizer):
         e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
         self._poll_advice: Callable[[], list[FailSlowReport]] | None = getattr(link, "poll_advice", None)
         """The link's fail-slow advice, looked up once (links without it have none)."""
-        self._rank_times: list[float] = []
-        """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
         tb = config.learner.tensorboard_dir
         self._scalars = None if tb is None else LearnerScalars(tb, self.rank, self.world_size)
         """TensorBoard scalars (``LearnerConfig.tensorboard_dir``), written at each applied merge."""
         self._join()
+
+    # ------------------------------------------------------- the core's state, read-only
+    @property
+    def step_count(self) -> int:
+        """Inner steps done."""
+        return self.core.step
+
+    @property
+    def versions(self) -> list[int]:
+        """Per fragment, the version of the global value held."""
+        return [f.version for f in self.core.fragments]
+
+    @property
+    def epochs(self) -> list[int]:
+        """Per fragment, the syncer epoch of the held value (``Update.epoch``)."""
+        return [f.epoch for f in self.core.fragments]
+
+    @property
+    def held(self) -> list[list[torch.Tensor]]:
+        """Per fragment, the global value held (shared; do not modify)."""
+        return [f.held for f in self.core.fragments]
+
+    @property
+    def c_steps(self) -> list[int]:
+        """Per fragment, inner steps counted since its value was last applied."""
+        return [f.c_steps for f in self.core.fragments]
+
+    @property
+    def c_tokens(self) -> list[float]:
+        """Per fragment, the learner's tokens over those steps."""
+        return [f.c_tokens for f in self.core.fragments]
+
+    @property
+    def c_time(self) -> list[float]:
+        """Per fragment, seconds of those steps."""
+        return [f.c_time for f in self.core.fragments]
+
+    @property
+    def merge_gains(self) -> list[float | None]:
+        """Per fragment, the relative probe-loss change (before - after) / before of the
+        last merged value applied; None until measured."""
+        return [f.merge_gain for f in self.core.fragments]
+
+    @property
+    def version_lags(self) -> list[int]:
+        """Per fragment, for the last merged value applied: how many versions it lies beyond
+        the next one after the value held before (0: the very next version; more: merges
+        happened in between, e.g. this learner's contribution came late). Counted within
+        one syncer epoch; a value of a new epoch counts 0."""
+        return [f.version_lag for f in self.core.fragments]
+
+    @property
+    def fragments_in_flight(self) -> tuple[int, ...]:
+        """Fragments sent and not yet answered by an applied merged value, ascending."""
+        return self.core.in_flight()
 
     # ---------------------------------------------------------- optimizer contract
     @property
@@ -258,15 +298,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             "inner": self.inner.state_dict(),
             "rackmend": {
                 "learner_id": self.learner_id,
-                "step": self.step_count,
-                "versions": list(self.versions),
-                "epochs": list(self.epochs),
-                "c_steps": list(self.c_steps),
-                "c_tokens": list(self.c_tokens),
-                "c_time": list(self.c_time),
-                "held": [[t.clone() for t in h] for h in self.held],
+                **self.core.state_dict(),
                 "params": [[t.detach().clone() for t in ts] for ts in self._params],
-                "uplink": {} if self._uplink is None else self._uplink.state_dict(),
             },
         }
         for post in self._optimizer_state_dict_post_hooks.values():
@@ -294,31 +327,16 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if "params" not in rs:
             raise ValueError("this state_dict predates rackmend's parameter snapshot ('params'); "
                              "save it again with this version")
-        self.step_count = int(rs["step"])
-        self.c_steps = [int(x) for x in rs["c_steps"]]
-        self.c_tokens = [float(x) for x in rs["c_tokens"]]
-        self.c_time = [float(x) for x in rs["c_time"]]
-        if self._uplink is not None:
-            # Without its residuals a restored learner would silently drop what the
-            # codec held back before the checkpoint.
-            self._uplink.load_state_dict(rs.get("uplink", {}))
-        rebased = False
+        if len(rs["params"]) != len(self.fragments):
+            raise ValueError(f"this state_dict holds parameters of {len(rs['params'])} fragments, the learner has "
+                             f"{len(self.fragments)}; it was saved with another model or schedule.num_fragments")
+        rebases = self.core.load_state_dict(rs)
         with torch.no_grad():
-            epochs = [int(e) for e in rs.get("epochs", [0] * len(self.fragments))]  # older saves lack them
-            for p, (version, held, saved) in enumerate(zip(rs["versions"], rs["held"], rs["params"])):
-                for param, value in zip(self._params[p], saved):
+            for params, saved in zip(self._params, rs["params"]):
+                for param, value in zip(params, saved):
                     param.copy_(value)
-                joined = bool(self.held[p])
-                # Versions of two syncer epochs do not compare: a joined value of another
-                # epoch than the saved one is the current one.
-                if not joined or (epochs[p] == self.epochs[p] and int(version) >= self.versions[p]):
-                    self.held[p] = [t.clone() for t in held]
-                    self.versions[p] = int(version)
-                    self.epochs[p] = epochs[p]
-                else:
-                    self._rebase(p, old=held, new=self.held[p])
-                    rebased = True
-        self._pending.clear()
+        self._run(rebases)
+        rebased = bool(rebases)
         # Parameters only: a forward pass updates buffers (BatchNorm statistics) in place.
         self._rebased = [(t, t._version) for spec, ts in zip(self.fragments, self._params)
                          for s, t in zip(spec.tensors, ts) if not s.is_buffer] if rebased else None
@@ -350,50 +368,39 @@ class RackmendOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- the outer loop
     def after_inner_step(self, tokens: float) -> None:
         """Bookkeeping after one inner step; ``step`` calls it for you."""
-        now = time.perf_counter()
-        dt = 0.0 if self._last_step_end is None else now - self._last_step_end
-        self.step_count += 1
-        t = self.step_count
-        for p in range(len(self.fragments)):
-            self.c_steps[p] += 1
-            self.c_tokens[p] += tokens * self.world_size  # ranks see equal batches: the learner's total
-            self.c_time[p] += dt
-        if dt > 0:  # the first step has no start time to measure from
-            self._rank_times.append(dt)
-        self._absorb(self.link.poll())
+        core = self.core
+        now = self._clock()
         if self._poll_advice is not None:
             for report in self._poll_advice():
                 self.on_fail_slow(report)
-        for p in fragments_due(t, self.fragments, self.config.schedule.sync_every):
-            self._send(p)
-        if self._dist:
-            self._apply_across_ranks(t)
-            self._last_step_end = time.perf_counter()
-            return
-        tau = self.config.schedule.overlap
-        for p in sorted(self._pending):
-            pend = self._pending[p]
-            if t < pend.t_send + tau:
-                continue
-            upd = self._arrived.pop(p, None)
-            if upd is None and self.config.deterministic:
-                upd = self._wait(p)
-            if upd is not None and upd.reset:
-                # The syncer forgot this learner (silence, restart) while we waited: its
-                # contribution is gone, so no merge will answer it. Adopt the value and
-                # take part again from the fragment's next send.
-                self._adopt(upd)
-            elif upd is not None:
-                self._apply(p, upd, pend)
-        # An update for a fragment not sent yet waits for that fragment's own send:
-        # the send then carries this learner's progress as a stale contribution that
-        # rides along with the next round instead of opening a round of its own.
-        self._last_step_end = time.perf_counter()
+        self._run(core.handle(InnerStepDone(tokens, tuple(self.link.poll())), now))
+        self._run(core.handle(ApplyDue(), self._clock()))
+        core.handle(TrainingResumed(), self._clock())
 
-    @property
-    def fragments_in_flight(self) -> tuple[int, ...]:
-        """Fragments sent and not yet answered by an applied merged value, ascending."""
-        return tuple(sorted(self._pending))
+    def _run(self, actions: Sequence[LearnerAction]) -> None:
+        """Carry out the core's actions in order (answers to them run at once)."""
+        for a in actions:
+            if isinstance(a, TakeSnapshot):
+                pieces = self._snapshot(a.fragment)
+                if a.keep and a.fragment in self._pinned:
+                    pieces = [t.clone() for t in pieces]  # pinned buffers are reused at the next send
+                self._run(self.core.handle(SnapshotTaken(a.fragment, pieces), self._clock()))
+            elif isinstance(a, SendFragment):
+                self.link.send(a.contribution)
+                self.bytes_sent += a.nbytes
+            elif isinstance(a, ApplyValue):
+                self._apply(a)
+            elif isinstance(a, (SetValue, Rebase)):
+                a.apply_to(self._params[a.fragment])
+            elif isinstance(a, WaitForVersion):
+                self._run(self.core.handle(WaitAnswered(a.fragment, self._wait(a)), self._clock()))
+            elif isinstance(a, ShareChanges):
+                self._share(a)
+            elif isinstance(a, Log):
+                log.log(a.level, "learner %s: %s", self.learner_id, a.message)
+            else:
+                raise TypeError(f"unknown learner action {a!r}")
+
     def _warn_fail_slow(self, report: FailSlowReport) -> None:
         """The default ``on_fail_slow``: a log line naming the slow rank."""
         speed = f"{report.ratio:.2f}x its usual step time ({report.fleet_ratio:.2f}x relative to the fleet)"
@@ -411,12 +418,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
                         report.steps)
 
     def owns(self, p: int) -> bool:
-        """Whether this rank sends and receives (pieces of) fragment p."""
-        return self._pieces.owns(p)
+        """Whether this rank sends and receives fragment p."""
+        return self.core.owns(p)
 
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
-        sharded = {"pieces": self._pieces.owned} if self._pieces.sharded else {}
+        layout = self.core.layout
+        sharded = {"pieces": layout.owned} if layout.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
                                  settings=LearnerSettings.from_config(self.config), **sharded)
         got = {u.fragment: u for u in updates}
@@ -425,62 +433,25 @@ class RackmendOptimizer(torch.optim.Optimizer):
             raise TransportError(f"join: the syncer sent no value for fragments {missing}")
         for p in range(len(self.fragments)):
             upd = self._pieces.spread(p, got.get(p))  # the owners' values on every rank that holds them
-            with torch.no_grad():
-                for param, value in zip(self._params[p], upd.tensors):
-                    param.copy_(value)
-            self.held[p] = list(upd.tensors)
-            self.versions[p] = upd.version
-            self.epochs[p] = upd.epoch
+            self._run(self.core.handle(JoinedValue(upd), self._clock()))
 
-    def _apply_across_ranks(self, t: int) -> None:
-        """One small all-reduce per step tells every rank which fragments change now
-        (1: apply a merged value, 2: adopt a rejoin value); owners then broadcast them."""
-        n = len(self.fragments)
-        tau = self.config.schedule.overlap
-        ready: list[Update | None] = [None] * n
-        for p in range(n):
-            if not self.owns(p):
+    def _share(self, action: ShareChanges) -> None:
+        """One small all-reduce per step tells every rank which fragments change now;
+        their owners' values then reach every rank."""
+        for p, (change, version, epoch) in enumerate(self._pieces.agree(action.changes, action.updates)):
+            if change == Change.NONE:
                 continue
-            arrived = self._arrived.get(p)
-            if arrived is None or not arrived.reset:
-                pend = self._pending.get(p)
-                if pend is None or t < pend.t_send + tau:
-                    continue
-                if arrived is None and self.config.deterministic:
-                    self._arrived[p] = arrived = self._wait(p)
-            ready[p] = arrived
-        for p, (code, version, epoch, reset) in enumerate(self._pieces.agree(ready)):
-            if code == 0:
-                continue
-            upd = self._pieces.spread(p, self._arrived.pop(p, None) if self.owns(p) else None, (version, epoch, reset))
-            if code == 2:
-                self._adopt(upd)
-            else:
-                self._apply(p, upd, self._pending[p])
+            upd = self._pieces.spread(p, action.updates.get(p), (version, epoch, change == Change.ADOPT))
+            self._run(self.core.handle(ChangeAgreed(p, change, upd), self._clock()))
 
-    def _absorb(self, updates: list[Update]) -> None:
-        for upd in updates:
-            if upd.reset and self._dist:
-                self._arrived[upd.fragment] = upd  # adopted on every rank at once, next step
-                continue
-            if upd.reset:
-                self._adopt(upd)
-                continue
-            if upd.version <= self.versions[upd.fragment]:
-                continue
-            prev = self._arrived.get(upd.fragment)
-            if prev is None or upd.version > prev.version:
-                self._arrived[upd.fragment] = upd
-
-    def _wait(self, p: int) -> Update:
-        t0 = time.perf_counter()
-        timeout = self.config.learner.wait_timeout
-        upd = self.link.wait(p, self.versions[p], timeout)
-        self.blocked_seconds += time.perf_counter() - t0
+    def _wait(self, action: WaitForVersion) -> Update:
+        t0 = self._clock()
+        upd = self.link.wait(action.fragment, action.after_version, max(0.0, action.deadline - t0))
+        self.blocked_seconds += self._clock() - t0
         if upd is None:
             raise TransportError(
-                f"learner {self.learner_id}: no merged value for fragment {p} within "
-                f"{timeout}s in deterministic mode (is every listed learner running? "
+                f"learner {self.learner_id}: no merged value for fragment {action.fragment} within "
+                f"{self.config.learner.wait_timeout}s in deterministic mode (is every listed learner running? "
                 "raise learner.wait_timeout if merges are legitimately slower)"
             )
         return upd
@@ -507,107 +478,16 @@ class RackmendOptimizer(torch.optim.Optimizer):
         stream.synchronize()
         return buffers
 
-    def _send(self, p: int) -> None:
-        if not self.owns(p):
-            # The owner rank sends; this rank only tracks the round so it applies in step.
-            keep = self._snapshot(p) if self._rule == "keep_local" else None
-            if keep is not None and p in self._pinned:
-                keep = [t.clone() for t in keep]
-            self._pending[p] = _Pending(self.step_count, keep, (self.c_steps[p], self.c_tokens[p], self.c_time[p]))
-            return
-        snapshot = self._snapshot(p)
-        owned = self._pieces.owned_of
-        delta = tuple(h - s for h, s in zip(owned(p, self.held[p]), owned(p, snapshot)))
-        encoded = None
-        nbytes = self._pieces.owned_nbytes(p)
-        if self._uplink is not None:
-            pairs = [self._uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
-            encoded = tuple(enc for enc, _ in pairs)
-            delta = tuple(dec for _, dec in pairs)  # what the syncer will merge, bit for bit
-            nbytes = sum(enc.nbytes() for enc in encoded)
-        steps = self.c_steps[p]
-        contribution = Contribution(
-            learner_id=self.learner_id,
-            fragment=p,
-            base_version=self.versions[p],
-            base_epoch=self.epochs[p],
-            step=self.step_count,
-            c_steps=steps,
-            c_tokens=self.c_tokens[p],
-            step_time=self.c_time[p] / steps if steps else 0.0,
-            tensors=delta,
-            encoded=encoded,
-            merge_gain=self._gain_to_report.pop(p, None),
-            rank=self.rank,
-            rank_steps=len(self._rank_times),
-            rank_step_time=statistics.median(self._rank_times) if self._rank_times else 0.0,
-            pieces=self._pieces.wire_pieces(p),
-        )
-        self._rank_times = []
-        self.link.send(contribution)
-        self.bytes_sent += nbytes
-        # Pinned buffers are reused at the next send, so keep_local holds its own copy.
-        keep = None
-        if self._rule == "keep_local":
-            keep = [t.clone() for t in snapshot] if p in self._pinned else snapshot
-        self._pending[p] = _Pending(self.step_count, keep, (steps, self.c_tokens[p], self.c_time[p]))
-
     @torch.no_grad()
-    def _apply(self, p: int, upd: Update, pend: _Pending) -> None:
-        rule = self._rule
+    def _apply(self, action: ApplyValue) -> None:
+        """A merged value, with the merge-gain probe around it when one is set."""
+        p = action.fragment
         before = float(self.probe_loss()) if self.probe_loss is not None else None
-        for i, (param, value) in enumerate(zip(self._params[p], upd.tensors)):
-            value = value.to(param.device, non_blocking=True)
-            if rule == "overwrite":
-                param.copy_(value)
-            elif rule == "mix":
-                alpha = self.config.learner.mix_alpha
-                param.mul_(alpha).add_(value, alpha=1 - alpha)
-            else:  # keep_local: the tau steps since the send stay
-                assert pend.snapshot is not None
-                progress = param - pend.snapshot[i].to(param.device)
-                param.copy_(value + progress)
-        same_epoch = upd.epoch == self.epochs[p]
-        self.version_lags[p] = max(0, upd.version - self.versions[p] - 1) if same_epoch else 0
-        self.held[p] = list(upd.tensors)
-        self.versions[p] = upd.version
-        self.epochs[p] = upd.epoch
-        del self._pending[p]
-        if rule == "keep_local":
-            s, k, c = pend.counts_at_send
-            self.c_steps[p] -= s
-            self.c_tokens[p] -= k
-            self.c_time[p] -= c
-        else:
-            self.c_steps[p], self.c_tokens[p], self.c_time[p] = 0, 0.0, 0.0
+        action.apply_to(self._params[p])
         if before is not None:
             assert self.probe_loss is not None
-            # Relative, so one threshold fits every model's loss scale.
-            gain = (before - float(self.probe_loss())) / abs(before) if before else 0.0
-            self.merge_gains[p] = gain
-            if math.isfinite(gain):  # a non-finite probe is the user's to see, not the syncer's
-                self._gain_to_report[p] = gain
+            self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))
         if self._scalars is not None:
             self._scalars.applied(self, p)
         if self.on_apply is not None:
-            self.on_apply(p, upd)
-
-    def _adopt(self, upd: Update) -> None:
-        """A rejoin answer (e.g. the syncer restarted from a checkpoint): take its value
-        as the new base and keep the local progress made on top of the old one."""
-        p = upd.fragment
-        # Whatever was sent for p is forgotten by the syncer (or will be answered as a
-        # plain update, applied after this learner's next send of p).
-        self._pending.pop(p, None)
-        self._arrived.pop(p, None)
-        self.epochs[p] = upd.epoch
-        if upd.version == self.versions[p] and all(map(torch.equal, self.held[p], upd.tensors)):
-            return
-        self._rebase(p, old=self.held[p], new=list(upd.tensors))
-        self.held[p] = list(upd.tensors)
-        self.versions[p] = upd.version
-
-    @torch.no_grad()
-    def _rebase(self, p: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
-        for param, o, n in zip(self._params[p], old, new):
-            param.add_((n - o).to(param.device))
+            self.on_apply(p, action.update)

@@ -8,24 +8,28 @@ a whole parameter), placed in the global tensor from its placements over the mes
 is one block covering all of it. The ranks then exchange their blocks' places (a few
 integers each, once) so that every rank knows who else holds the same block: of
 those, ``rackmend.core.pieces.owner`` picks the one that sends it and receives its
-updates; the others get the value from it by a broadcast inside the rack
-(``spread``), over a process group of exactly the ranks holding that block.
+updates (``layout``, this rank's ``RankLayout``, which the learner core runs on); the
+others get the value from it by a broadcast inside the rack (``spread``), over a
+process group of exactly the ranks holding that block.
 
-The learner's math (snapshot, outer gradient, apply rules) runs on the local blocks
-unchanged; this module only says which of them travel and brings received values to
-the ranks that hold copies. With one rank everything is whole and owned.
+The rules (which pieces travel, the outer gradient over them, when values apply) are
+the learner core's (``rackmend.core.learner``); this module holds the collectives the
+driver answers the core with: ``agree`` on what changes at a step and ``spread``
+received values to the ranks that hold copies. With one rank everything is whole and
+owned.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec
+from rackmend.core.learner import Change
 from rackmend.core.messages import Update
-from rackmend.core.pieces import Piece, RankPieces, is_whole, owner, whole_pieces
+from rackmend.core.pieces import Piece, holders, rank_layout
 from rackmend.transport.base import TransportError
 
 __all__ = ["RackPieces", "local_block"]
@@ -88,7 +92,7 @@ def _contiguous(t: Any) -> bool:
 
 
 class RackPieces:
-    """Per fragment: this rank's local tensors, the pieces it owns and, for blocks that
+    """Per fragment: this rank's local tensors, its ``layout`` and, for blocks that
     several ranks hold, the group to broadcast in. Built collectively (every rank of
     ``group`` constructs it at the same point, as ``RackmendOptimizer`` does)."""
 
@@ -103,86 +107,57 @@ class RackPieces:
         blocks = [[local_block(t, i) for i, t in enumerate(ts)] for ts in tensors]
         self.local: list[list[torch.Tensor]] = [[b[0] for b in bs] for bs in blocks]
         """Per fragment, the tensors this rank holds (views of the model's), in fragment order."""
-        self.blocks: list[list[Piece | None]] = [[b[1] for b in bs] for bs in blocks]
-        """Per fragment and tensor, where this rank's block lies (None: it holds nothing of it)."""
-        for f, bs in zip(self.fragments, self.blocks):
+        mine = [[b[1] for b in bs] for bs in blocks]
+        for f, bs in zip(self.fragments, mine):
             for spec, b in zip(f.tensors, bs):
                 if b is not None and any(o + s > g for o, s, g in zip(b.offsets, b.shape, spec.shape)):
                     raise ConfigError(f"{spec.name}: this rank's block at {list(b.offsets)} of {list(b.shape)} lies "
                                       f"outside the tensor's global shape {list(spec.shape)}")
-        everyone = self._gather_blocks() if self.distributed else [self.blocks]
         self._device = self._collective_device()
-        owned: list[list[Piece]] = [[] for _ in self.fragments]
         self._replicas: list[list[tuple[int, Any] | None]] = [[None] * len(f.tensors) for f in self.fragments]
         """Per fragment and tensor: (owner's global rank, group of the ranks holding this
         rank's block) when other ranks hold it too, else None."""
+        rack = self._gather_blocks(mine) if self.distributed else [mine]
+        self.layout = rank_layout(self.fragments, rack, self.rank)
+        """This rank's blocks and owned pieces (what the learner core runs on)."""
         groups: dict[tuple[int, ...], Any] = {}
-        for f in self.fragments:
-            for i in range(len(f.tensors)):
-                holders_of: dict[Piece, list[int]] = {}
-                for r, theirs in enumerate(everyone):
-                    if theirs[f.index][i] is not None:
-                        holders_of.setdefault(theirs[f.index][i], []).append(r)
-                for block, holders in sorted(holders_of.items(), key=lambda kv: kv[1]):
-                    if len(holders) > 1 and tuple(holders) not in groups:
-                        # Every rank creates every group, in this same order (new_group's contract).
-                        groups[tuple(holders)] = self._new_group(holders)
-                    mine = self.blocks[f.index][i]
-                    if mine != block:
+        for f, per_fragment in zip(self.fragments, holders(self.fragments, rack)):
+            for i, per_tensor in enumerate(per_fragment):
+                for held in per_tensor:
+                    if len(held.ranks) < 2:
                         continue
-                    lead = owner(f.index, holders)
-                    if lead == self.rank:
-                        owned[f.index].append(block)
-                    if len(holders) > 1:
-                        self._replicas[f.index][i] = (self._global(lead), groups[tuple(holders)])
-        self.owned: RankPieces = tuple(tuple(o) for o in owned)
-        """Per fragment, the pieces this rank sends and receives."""
-        self.sharded = self.owned != whole_pieces(self.fragments, self.rank, self.world)
-        """Whether any piece differs from a plain rack's whole-fragment striping (then the
-        pieces travel in the hello and in every message)."""
-
-    # ------------------------------------------------------------------ queries
-    def owns(self, p: int) -> bool:
-        """Whether this rank sends (and receives) anything of fragment ``p``."""
-        return bool(self.owned[p])
-
-    def owned_of(self, p: int, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Of ``values`` (one per tensor of fragment ``p``, as ``local``), the owned ones."""
-        return tuple(values[pc.tensor] for pc in self.owned[p])
-
-    def wire_pieces(self, p: int) -> tuple[Piece, ...] | None:
-        """The pieces a contribution of fragment ``p`` carries; None when they are the whole
-        fragment (then it travels as from a plain rack)."""
-        return None if is_whole(self.fragments[p], self.owned[p]) else self.owned[p]
-
-    def owned_nbytes(self, p: int) -> int:
-        return sum(pc.numel * self.fragments[p].tensors[pc.tensor].dtype.itemsize for pc in self.owned[p])
+                    if held.ranks not in groups:
+                        # Every rank creates every group, in this same order (new_group's contract).
+                        groups[held.ranks] = self._new_group(held.ranks)
+                    if held.block == mine[f.index][i]:
+                        self._replicas[f.index][i] = (self._global(held.owner), groups[held.ranks])
 
     # ------------------------------------------------------------------ collectives
-    def agree(self, ready: Sequence[Update | None]) -> list[tuple[int, int, int, bool]]:
-        """Per fragment, what every rank does now, the same on all: (code, version, epoch,
-        reset) with code 0 (nothing), 1 (apply) or 2 (adopt a rejoin value). ``ready``: per
-        fragment, the update this rank would apply now (owners only; None otherwise).
-        A fragment changes only when every owner of it is ready with the same value
-        (epoch and version), so each rank's block of it changes at the same step."""
+    def agree(self, changes: Sequence[Change], updates: Mapping[int, Update]) -> list[tuple[Change, int, int]]:
+        """Per fragment, what every rank does now, the same on all: (change, version,
+        epoch). ``changes`` and ``updates``: this rank's offers (``ShareChanges``). A
+        fragment changes only when every rank owning a piece of it offers the same change
+        with the same value (epoch and version), so each rank's block of it changes at
+        the same step."""
         n = len(self.fragments)
-        report = torch.full((n, 6), _NONE, dtype=torch.int64)
+        report = torch.full((n, 7), _NONE, dtype=torch.int64)
         for p in range(n):
-            if not self.owns(p):
+            if not self.layout.owned[p]:
                 continue
-            upd = ready[p]
-            if upd is None:
+            upd = updates.get(p)
+            if not changes[p] or upd is None:
                 report[p, 0] = 1  # an owner that is not ready holds the fragment back
                 continue
-            report[p] = torch.tensor([0, upd.version, -upd.version, upd.epoch, -upd.epoch, int(upd.reset)])
+            c = int(changes[p])
+            report[p] = torch.tensor([0, c, -c, upd.version, -upd.version, upd.epoch, -upd.epoch])
         out = self._all_reduce_max(report)
         result = []
         for p in range(n):
-            waiting, v, neg_v, e, neg_e, reset = (int(x) for x in out[p])
-            if waiting == 1 or v < 0 or v != -neg_v or e != -neg_e:
-                result.append((0, 0, 0, False))
+            waiting, c, neg_c, v, neg_v, e, neg_e = (int(x) for x in out[p])
+            if waiting == 1 or c <= 0 or (c, v, e) != (-neg_c, -neg_v, -neg_e):
+                result.append((Change.NONE, 0, 0))
             else:
-                result.append((2 if reset else 1, v, e, bool(reset)))
+                result.append((Change(c), v, e))
         return result
 
     def spread(self, p: int, upd: Update | None, meta: tuple[int, int, bool] | None = None) -> Update:
@@ -205,8 +180,8 @@ class RackPieces:
             meta = (v, e, bool(reset))
         received = iter(upd.tensors if upd is not None else ())
         tensors = []
-        for i, (local, block) in enumerate(zip(self.local[p], self.blocks[p])):
-            mine = block is not None and block in self.owned[p]
+        for i, (local, block) in enumerate(zip(self.local[p], self.layout.blocks[p])):
+            mine = block is not None and block in self.layout.owned[p]
             value = next(received) if mine else torch.empty(tuple(local.shape), dtype=local.dtype)
             replicas = self._replicas[p][i]
             if replicas is not None:
@@ -216,26 +191,26 @@ class RackPieces:
         return Update(p, meta[0], tuple(tensors), reset=meta[2], epoch=meta[1])
 
     # ------------------------------------------------------------------ helpers
-    def _gather_blocks(self) -> list[list[list[Piece | None]]]:
-        """Every rank's blocks, as int64 tensors (no pickling): per tensor, a present
-        flag, then offsets and shape."""
+    def _gather_blocks(self, mine: list[list[Piece | None]]) -> list[list[list[Piece | None]]]:
+        """Every rank's blocks (``mine`` is this rank's), as int64 tensors (no pickling):
+        per tensor, a present flag, then offsets and shape."""
         dims = [len(spec.shape) for f in self.fragments for spec in f.tensors]
         # A missing block still takes its tensor's room, so every rank's row has one length.
         rows, k = [], 0
-        for bs in self.blocks:
+        for bs in mine:
             for b in bs:
                 nd = dims[k]
                 rows += [1, *b.offsets, *b.shape] if b is not None else [0] * (1 + 2 * nd)
                 k += 1
-        mine = torch.tensor(rows, dtype=torch.int64)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        dev = self._collective_device()
+        row = torch.tensor(rows, dtype=torch.int64)
+        out = [torch.empty_like(row) for _ in range(self.world)]
+        dev = self._device
         if dev is not None:
             moved = [t.to(dev) for t in out]
-            torch.distributed.all_gather(moved, mine.to(dev), group=self.group)
+            torch.distributed.all_gather(moved, row.to(dev), group=self.group)
             out = [t.cpu() for t in moved]
         else:
-            torch.distributed.all_gather(out, mine, group=self.group)
+            torch.distributed.all_gather(out, row, group=self.group)
         everyone = []
         for row in out:
             vals, at, per = row.tolist(), 0, []
@@ -265,10 +240,10 @@ class RackPieces:
     def _global(self, rank: int) -> int:
         return torch.distributed.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def _new_group(self, holders: list[int]) -> Any:
-        if len(holders) == self.world:
+    def _new_group(self, ranks: tuple[int, ...]) -> Any:
+        if len(ranks) == self.world:
             return self.group
-        return torch.distributed.new_group([self._global(r) for r in holders])
+        return torch.distributed.new_group([self._global(r) for r in ranks])
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         dev = self._device

@@ -33,7 +33,7 @@ import zmq
 
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
-from rackmend.core.pieces import Piece, RankPieces, is_whole, whole_pieces
+from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
@@ -172,7 +172,7 @@ class ZmqLink(QueueLink):
         self.learner_id = learner_id
         self._fragments = list(fragments)
         self._owned = pieces if pieces is not None else whole_pieces(fragments, self.rank, self.world_size)
-        self._wire_pieces = [None if pieces is None or is_whole(f, ps) else ps for f, ps in zip(fragments, self._owned)]
+        self._wire_pieces = [None if pieces is None else wire_pieces(f, ps) for f, ps in zip(fragments, self._owned)]
         self._initial = [[initial[f.index][pc.tensor].detach().cpu().clone() for pc in ps]
                          for f, ps in zip(fragments, self._owned)] if pieces is not None else \
             [[t.detach().cpu().clone() for t in ts] for ts in initial]

@@ -1,0 +1,704 @@
+"""The learner's rules as a sans-I/O state machine: one state object per fragment.
+
+``LearnerCore.handle(event, now)`` takes what happened (an inner step finished with
+its tokens, a snapshot was taken, a merged value the driver waited for came in, ...)
+and returns typed actions (take a snapshot of fragment p, send this contribution,
+apply this value by this rule, wait for a version newer than v until a deadline).
+It owns the rules of Decoupled DiLoCo's learner side (``../DESIGN.md`` §1):
+
+- when a fragment is due: after inner step t when ``(t - t_p) mod H == 0``;
+- the outer gradient ``held - local`` against the global value held, through the
+  uplink codec's error feedback, and what rides along with it: step and token
+  counters, step time, this rank's step times for fail-slow detection, the merge
+  gain measured when the previous value was applied;
+- when a merged value is applied: at ``t_send + tau`` of this learner's own send, or
+  on the first step after it arrives if later; in deterministic mode it waits for
+  it there instead (``WaitForVersion``);
+- how: ``overwrite``, ``mix`` or ``keep_local`` (``ApplyValue``), the counters reset
+  (``keep_local`` keeps the steps made since the send), a rejoin answer adopted by
+  rebasing local progress onto it (``Rebase``);
+- inside a multi-rank learner, which pieces this rank owns (sends, and receives
+  merged values of: ``RankLayout``, from ``rackmend.core.pieces``'s owner rule), the
+  outer gradient over those pieces only, and which changes all ranks must agree on
+  at a step (``ShareChanges``).
+
+What does not live here: the clock (``now`` is passed in), the link to the syncer,
+collectives between ranks, device copies (the driver takes snapshots, through pinned
+buffers on CUDA), the model and inner optimizer, user callbacks. The driver is
+``rackmend.learner.RackmendOptimizer``; a simulator can drive the same core.
+
+Pieces: every fragment value here is a list of *pieces*, one local tensor per tensor
+of the fragment: this rank's block of it (``FragmentState.pieces`` says where each
+lies in the global tensor). For a plain rack a block is the whole tensor; for a
+sharded one (FSDP2, tensor parallel, HSDP) it is the rank's local shard, and a
+contribution carries the owned blocks with their places (``Contribution.pieces``).
+Which rank holds which block is read from DTensors by ``rackmend.learner.pieces``;
+the collectives that agree on changes and bring the owners' values to the other
+ranks are the driver's.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+import torch
+
+from rackmend.codecs.feedback import FeedbackEncoder
+from rackmend.config import RackmendConfig
+from rackmend.core.fragments import FragmentSpec, fragments_due
+from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import Piece, RankLayout, pieces_problem, plain_layout, wire_pieces
+
+__all__ = [
+    "LearnerCore",
+    "FragmentState",
+    "InFlight",
+    "Pieces",
+    "Change",
+    "JoinedValue",
+    "InnerStepDone",
+    "SnapshotTaken",
+    "ApplyDue",
+    "WaitAnswered",
+    "ChangeAgreed",
+    "ProbeMeasured",
+    "TrainingResumed",
+    "LearnerEvent",
+    "SetValue",
+    "Rebase",
+    "TakeSnapshot",
+    "SendFragment",
+    "WaitForVersion",
+    "ShareChanges",
+    "ApplyValue",
+    "Log",
+    "LearnerAction",
+]
+
+Pieces = list[torch.Tensor]
+"""One fragment's value on this rank: a tensor per piece, in the fragment's order."""
+
+
+class Change(enum.IntEnum):
+    """What happens to a fragment at a step, as the ranks of a learner agree on it
+    (an integer, so that it travels in the driver's all-reduce)."""
+
+    NONE = 0
+    APPLY = 1
+    """Apply the merged value by the configured rule."""
+    ADOPT = 2
+    """Adopt a rejoin answer (``Update.reset``): rebase local progress onto it."""
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class JoinedValue:
+    """The syncer's current value of one fragment, received at join (on every rank)."""
+
+    update: Update
+
+
+@dataclass(frozen=True)
+class InnerStepDone:
+    """The training loop finished an inner step at ``now``."""
+
+    tokens: float
+    """What this rank trained on in the step (the learner's total is this x world size:
+    ranks see equal batches)."""
+    arrived: tuple[Update, ...] = ()
+    """Updates the link received since the previous step, oldest first."""
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """The host copy asked for by ``TakeSnapshot``, taken at ``now``."""
+
+    fragment: int
+    pieces: Pieces
+    """Host tensors, one per piece. When the action said ``keep``, memory the driver
+    does not reuse (the core holds it until the fragment's value is applied)."""
+
+
+@dataclass(frozen=True)
+class ApplyDue:
+    """After this step's sends: apply what is due now (t >= t_send + tau)."""
+
+
+@dataclass(frozen=True)
+class WaitAnswered:
+    """The value ``WaitForVersion`` asked for (a newer version or a rejoin answer)."""
+
+    fragment: int
+    update: Update
+
+
+@dataclass(frozen=True)
+class ChangeAgreed:
+    """Multi-rank: all ranks agreed on ``change`` for ``fragment`` (see ``ShareChanges``);
+    ``update`` is the owners' value as this rank holds it: one local tensor per piece
+    (``FragmentState.pieces``), the blocks other ranks own brought over by the driver."""
+
+    fragment: int
+    change: Change
+    update: Update
+
+
+@dataclass(frozen=True)
+class ProbeMeasured:
+    """The probe loss just before and just after an ``ApplyValue`` was carried out."""
+
+    fragment: int
+    before: float
+    after: float
+
+
+@dataclass(frozen=True)
+class TrainingResumed:
+    """The driver hands control back to the training loop at ``now``: the next inner
+    step's time is measured from here, so rackmend's own time (sends, waits, probes)
+    does not count as step time."""
+
+
+LearnerEvent = Union[JoinedValue, InnerStepDone, SnapshotTaken, ApplyDue, WaitAnswered, ChangeAgreed, ProbeMeasured,
+                     TrainingResumed]
+
+
+# ---------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class SetValue:
+    """Write ``value`` into the fragment's local pieces (join)."""
+
+    fragment: int
+    value: Pieces
+
+    @torch.no_grad()
+    def apply_to(self, pieces: Sequence[torch.Tensor]) -> None:
+        for piece, v in zip(pieces, self.value):
+            piece.copy_(v)
+
+
+@dataclass(frozen=True)
+class Rebase:
+    """Move the local pieces from base ``old`` to base ``new``, keeping the progress made
+    on top of ``old``: piece += new - old. A rejoin answer (the syncer restarted or
+    forgot this learner), or a checkpoint restored under a newer global value."""
+
+    fragment: int
+    old: Pieces
+    new: Pieces
+
+    @torch.no_grad()
+    def apply_to(self, pieces: Sequence[torch.Tensor]) -> None:
+        for piece, o, n in zip(pieces, self.old, self.new):
+            piece.add_((n - o).to(piece.device))
+
+
+@dataclass(frozen=True)
+class TakeSnapshot:
+    """Copy the fragment's local pieces to host memory and answer ``SnapshotTaken``."""
+
+    fragment: int
+    keep: bool
+    """The core holds the copy until the value is applied (``keep_local``): it must be
+    memory the driver does not reuse."""
+
+
+@dataclass(frozen=True)
+class SendFragment:
+    """Send ``contribution`` (the outer gradient of the fragment's pieces, its counters
+    and what rides along) to the syncer."""
+
+    contribution: Contribution
+    nbytes: int
+    """Bytes of outer gradient: encoded bytes with a lossy uplink codec."""
+
+
+@dataclass(frozen=True)
+class WaitForVersion:
+    """Deterministic mode: block until the fragment's value newer than ``after_version``
+    (or a rejoin answer) arrives, then answer ``WaitAnswered``; fail with an error
+    if ``deadline`` (a ``now`` value) passes first."""
+
+    fragment: int
+    after_version: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class ShareChanges:
+    """Multi-rank: agree with the other ranks on what changes now, then answer
+    ``ChangeAgreed`` on every rank for each fragment that changes. A fragment changes
+    when every rank owning a piece of it offers a change with the same value (version,
+    epoch, reset): an owner offering ``Change.NONE`` holds it back, so every rank's
+    blocks change at the same step. The owners' values then reach every rank that holds
+    a copy of their blocks. An offer not agreed on stays with the core and is made again
+    at the next ``ApplyDue``."""
+
+    changes: tuple[Change, ...]
+    """One per fragment: this rank's offer where it owns pieces of it, else ``NONE``."""
+    updates: Mapping[int, Update]
+    """This rank's values (its owned pieces) of the fragments it offers a change for."""
+
+
+@dataclass(frozen=True)
+class ApplyValue:
+    """Apply merged value ``update`` to the fragment's local pieces by ``rule``. When the
+    driver measures merge gains it answers ``ProbeMeasured``."""
+
+    fragment: int
+    update: Update
+    rule: str
+    """``overwrite``, ``mix`` or ``keep_local`` (``LearnerConfig.apply``, resolved)."""
+    alpha: float
+    """``mix``: the share of the local value kept."""
+    at_send: Pieces | None
+    """``keep_local``: the host snapshot taken at the send; the progress since then stays."""
+
+    @torch.no_grad()
+    def apply_to(self, pieces: Sequence[torch.Tensor]) -> None:
+        for i, (piece, value) in enumerate(zip(pieces, self.update.tensors)):
+            value = value.to(piece.device, non_blocking=True)
+            if self.rule == "overwrite":
+                piece.copy_(value)
+            elif self.rule == "mix":
+                piece.mul_(self.alpha).add_(value, alpha=1 - self.alpha)
+            else:
+                assert self.at_send is not None
+                progress = piece - self.at_send[i].to(piece.device)
+                piece.copy_(value + progress)
+
+
+@dataclass(frozen=True)
+class Log:
+    """A line for the learner's log; nothing to act on."""
+
+    level: int
+    message: str
+
+
+LearnerAction = Union[SetValue, Rebase, TakeSnapshot, SendFragment, WaitForVersion, ShareChanges, ApplyValue, Log]
+
+
+# ------------------------------------------------------------------------------ state
+@dataclass
+class InFlight:
+    """A send of a fragment not yet answered by an applied value."""
+
+    step: int
+    """t_send: the inner step after which it was sent."""
+    at_send: Pieces | None
+    """The host snapshot at the send, kept for ``keep_local``."""
+    counts: tuple[int, float, float]
+    """(c_steps, c_tokens, c_time) at the send: what the send carried."""
+
+
+@dataclass
+class FragmentState:
+    """Everything this rank knows about one fragment."""
+
+    spec: FragmentSpec
+    pieces: tuple[Piece | None, ...]
+    """Where each piece of a value (one per tensor of the fragment) lies in its global
+    tensor: this rank's block of it, the whole tensor on a plain rack; None where the
+    rank holds nothing of the tensor (its piece is an empty tensor)."""
+    owned: tuple[Piece, ...]
+    """The pieces this rank sends and receives merged values of (``RankLayout.owned``);
+    empty where other ranks own all of the fragment's blocks this rank holds."""
+    held: Pieces = field(default_factory=list)
+    """The global value held (the base of the next outer gradient); empty before join."""
+    version: int = 0
+    """The version of ``held`` (``Update.version``)."""
+    epoch: int = 0
+    """The syncer epoch of ``held`` (``Update.epoch``)."""
+    c_steps: int = 0
+    """Inner steps since the fragment's value was last applied."""
+    c_tokens: float = 0.0
+    """The learner's tokens over those steps."""
+    c_time: float = 0.0
+    """Seconds of those steps."""
+    in_flight: InFlight | None = None
+    """This rank's latest send (or, on a rank that does not own the fragment, its
+    owner's), until a value answers it."""
+    arrived: Update | None = None
+    """The newest value received and not applied yet (it waits for t_send + tau)."""
+    merge_gain: float | None = None
+    """Relative probe-loss change (before - after) / before of the last value applied."""
+    gain_to_report: float | None = None
+    """``merge_gain``, until the fragment's next contribution carries it to the syncer."""
+    version_lag: int = 0
+    """For the last value applied: how many versions beyond the next one after the value
+    held before (0: the very next; more: merges happened in between). Within one
+    syncer epoch; a value of a new epoch counts 0."""
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def owns(self) -> bool:
+        """Whether this rank sends (pieces of) the fragment."""
+        return bool(self.owned)
+
+    @property
+    def owned_nbytes(self) -> int:
+        """Bytes of the owned pieces, uncompressed."""
+        return sum(pc.numel * self.spec.tensors[pc.tensor].dtype.itemsize for pc in self.owned)
+
+    def counts(self) -> tuple[int, float, float]:
+        return self.c_steps, self.c_tokens, self.c_time
+
+
+class LearnerCore:
+    """One learner rank's rules; see the module docstring. ``fragments[p].index`` must be p.
+    ``layout``: this rank's blocks and owned pieces (``rackmend.core.pieces.rank_layout``
+    over every rank's blocks); None for a plain rack (``plain_layout``)."""
+
+    def __init__(self, config: RackmendConfig, fragments: Sequence[FragmentSpec], *, learner_id: str,
+                 rank: int = 0, world_size: int = 1, layout: RankLayout | None = None) -> None:
+        wrong = [(i, f.index) for i, f in enumerate(fragments) if f.index != i]
+        if wrong:
+            raise ValueError(f"fragment {wrong[0][0]} of the layout says index {wrong[0][1]}; fragments must be "
+                             "numbered 0..P-1 in order (build them with pack_fragments)")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
+        self.config = config
+        self.learner_id = learner_id
+        self.rank = rank
+        self.world_size = world_size
+        self.rule = config.apply_rule()
+        """``learner.apply`` with ``auto`` resolved."""
+        layout = layout if layout is not None else plain_layout(fragments, rank, world_size)
+        _check_layout(fragments, layout, world_size)
+        self.layout = layout
+        self.fragments = [FragmentState(spec, blocks, owned)
+                          for spec, blocks, owned in zip(fragments, layout.blocks, layout.owned)]
+        self._specs = list(fragments)
+        self.step = 0
+        """Inner steps done (t)."""
+        self.rank_times: list[float] = []
+        """Seconds of each step of this rank since its previous contribution (fail-slow timing)."""
+        self.ready_at: float | None = None
+        """When the training loop got control back last (``TrainingResumed``)."""
+        uplink = config.compression.build_uplink()
+        self.uplink: FeedbackEncoder | None = None if uplink.lossless else FeedbackEncoder(uplink)
+        """Error feedback and codec state per (fragment, piece) of a lossy uplink codec.
+        Only the owner rank of a fragment encodes it (it is the only one sending)."""
+        config.compression.require_float32("uplink", ((t.name, t.dtype) for f in fragments for t in f.tensors))
+        self._snapshots_asked: set[int] = set()
+        self._waiting: int | None = None
+        """The fragment of the latest ``WaitForVersion``, until answered. A wait that fails
+        (the driver raises) is asked again at the next ``ApplyDue``."""
+
+    # ------------------------------------------------------------------ public API
+    def handle(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
+        """Apply one event at time ``now`` (seconds, any monotonic origin) and return
+        what the driver must do, in order."""
+        actions: list[LearnerAction] = []
+        if isinstance(event, InnerStepDone):
+            self._step_done(event, now, actions)
+        elif isinstance(event, SnapshotTaken):
+            self._snapshot_taken(event, actions)
+        elif isinstance(event, ApplyDue):
+            self._apply_due(now, actions)
+        elif isinstance(event, WaitAnswered):
+            self._wait_answered(event, now, actions)
+        elif isinstance(event, ChangeAgreed):
+            self._change_agreed(event, actions)
+        elif isinstance(event, ProbeMeasured):
+            self._probe_measured(event)
+        elif isinstance(event, TrainingResumed):
+            self.ready_at = now
+        elif isinstance(event, JoinedValue):
+            f = self._fragment(event.update.fragment)
+            f.held = list(event.update.tensors)
+            f.version, f.epoch = event.update.version, event.update.epoch
+            actions.append(SetValue(f.index, f.held))
+        else:
+            raise TypeError(f"unknown event {event!r}")
+        return actions
+
+    def owns(self, p: int) -> bool:
+        """Whether this rank sends (pieces of) fragment p and receives their values."""
+        return self.fragments[p].owns
+
+    def in_flight(self) -> tuple[int, ...]:
+        """Fragments sent and not yet answered by an applied value, ascending."""
+        return tuple(f.index for f in self.fragments if f.in_flight is not None)
+
+    def state_dict(self) -> dict:
+        """Counters, versions, the values held, the uplink's residuals (copies)."""
+        return {
+            "step": self.step,
+            "versions": [f.version for f in self.fragments],
+            "epochs": [f.epoch for f in self.fragments],
+            "c_steps": [f.c_steps for f in self.fragments],
+            "c_tokens": [f.c_tokens for f in self.fragments],
+            "c_time": [f.c_time for f in self.fragments],
+            "held": [[t.clone() for t in f.held] for f in self.fragments],
+            "uplink": {} if self.uplink is None else self.uplink.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> list[Rebase]:
+        """Restore ``state_dict``'s counters and values. Where the value held now (from
+        join) is newer than the saved one, the saved value is not taken back: the
+        returned ``Rebase`` actions move the restored local pieces onto the newer value.
+        Fragments in flight are forgotten (their sends belong to the earlier run)."""
+        n = len(self.fragments)
+        lengths = {k: len(state[k]) for k in ("versions", "held", "c_steps", "c_tokens", "c_time")}
+        if any(v != n for v in lengths.values()):
+            raise ValueError(f"the saved learner state has {lengths} entries per fragment, this layout has {n} "
+                             "fragments; it was saved with another model or schedule.num_fragments")
+        self.step = int(state["step"])
+        epochs = [int(e) for e in state.get("epochs", [0] * n)]  # older saves lack them
+        for f, steps, tokens, seconds in zip(self.fragments, state["c_steps"], state["c_tokens"], state["c_time"]):
+            f.c_steps, f.c_tokens, f.c_time = int(steps), float(tokens), float(seconds)
+        if self.uplink is not None:
+            # Without its residuals a restored learner would silently drop what the
+            # codec held back before the checkpoint.
+            self.uplink.load_state_dict(state.get("uplink", {}))
+        rebases: list[Rebase] = []
+        for f, version, held, epoch in zip(self.fragments, state["versions"], state["held"], epochs):
+            joined = bool(f.held)
+            # Versions of two syncer epochs do not compare: a joined value of another
+            # epoch than the saved one is the current one.
+            if not joined or (epoch == f.epoch and int(version) >= f.version):
+                f.held = [t.clone() for t in held]
+                f.version, f.epoch = int(version), epoch
+            else:
+                rebases.append(Rebase(f.index, old=list(held), new=f.held))
+            f.in_flight = None
+        return rebases
+
+    # ------------------------------------------------------------------ the step
+    def _step_done(self, event: InnerStepDone, now: float, actions: list[LearnerAction]) -> None:
+        dt = 0.0 if self.ready_at is None else now - self.ready_at
+        self.step += 1
+        learner_tokens = event.tokens * self.world_size
+        for f in self.fragments:
+            f.c_steps += 1
+            f.c_tokens += learner_tokens
+            f.c_time += dt
+        if dt > 0:  # the first step has no start time to measure from
+            self.rank_times.append(dt)
+        for upd in event.arrived:
+            self._absorb(upd, actions)
+        for p in fragments_due(self.step, self._specs, self.config.schedule.sync_every):
+            f = self.fragments[p]
+            keep = self.rule == "keep_local"
+            if f.owns or keep:
+                self._snapshots_asked.add(p)
+                actions.append(TakeSnapshot(p, keep=keep))
+            else:
+                # The owner rank sends; this rank only tracks the round so it applies in step.
+                f.in_flight = InFlight(self.step, None, f.counts())
+
+    def _absorb(self, upd: Update, actions: list[LearnerAction]) -> None:
+        f = self._fragment(upd.fragment)
+        if upd.reset and self.world_size > 1:
+            f.arrived = upd  # adopted on every rank at once, at ApplyDue
+        elif upd.reset:
+            self._adopt(f, upd, actions)
+        elif upd.version <= f.version:
+            actions.append(Log(logging.DEBUG, f"fragment {f.index}: version {upd.version} arrived, {f.version} is "
+                                              "held already; ignored"))
+        elif f.arrived is None or upd.version > f.arrived.version:
+            # A value for a fragment not sent yet waits for that fragment's own send: the
+            # send then carries this learner's progress as a stale contribution that rides
+            # along with the next round instead of opening a round of its own.
+            f.arrived = upd
+
+    def _snapshot_taken(self, event: SnapshotTaken, actions: list[LearnerAction]) -> None:
+        p = event.fragment
+        if p not in self._snapshots_asked:
+            raise RuntimeError(f"a snapshot of fragment {p} came in, but none was asked for (TakeSnapshot)")
+        self._snapshots_asked.discard(p)
+        f = self.fragments[p]
+        if len(event.pieces) != len(f.pieces):
+            raise ValueError(f"the snapshot of fragment {p} has {len(event.pieces)} pieces, the fragment {len(f.pieces)}")
+        for t, block, spec in zip(event.pieces, f.pieces, f.spec.tensors):
+            if (tuple(t.shape) != block.shape) if block is not None else t.numel():
+                raise ValueError(f"the snapshot of fragment {p}, {spec.name}: shape {list(t.shape)}, this rank "
+                                 f"holds {list(block.shape) if block is not None else 'nothing'} of it")
+        keep = event.pieces if self.rule == "keep_local" else None
+        if not f.owns:
+            f.in_flight = InFlight(self.step, keep, f.counts())
+            return
+        delta = tuple(f.held[pc.tensor] - event.pieces[pc.tensor] for pc in f.owned)
+        encoded = None
+        nbytes = f.owned_nbytes
+        if self.uplink is not None:
+            pairs = [self.uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
+            encoded = tuple(enc for enc, _ in pairs)
+            delta = tuple(dec for _, dec in pairs)  # what the syncer will merge, bit for bit
+            nbytes = sum(enc.nbytes() for enc in encoded)
+        gain, f.gain_to_report = f.gain_to_report, None
+        contribution = Contribution(
+            learner_id=self.learner_id,
+            fragment=p,
+            base_version=f.version,
+            base_epoch=f.epoch,
+            step=self.step,
+            c_steps=f.c_steps,
+            c_tokens=f.c_tokens,
+            step_time=f.c_time / f.c_steps if f.c_steps else 0.0,
+            tensors=delta,
+            encoded=encoded,
+            merge_gain=gain,
+            rank=self.rank,
+            rank_steps=len(self.rank_times),
+            rank_step_time=statistics.median(self.rank_times) if self.rank_times else 0.0,
+            pieces=wire_pieces(f.spec, f.owned),
+        )
+        self.rank_times = []
+        f.in_flight = InFlight(self.step, keep, f.counts())
+        actions.append(SendFragment(contribution, nbytes))
+
+    def _apply_due(self, now: float, actions: list[LearnerAction]) -> None:
+        """Resolve, in fragment order, every fragment at or past t_send + tau. Returns early
+        with a ``WaitForVersion`` last; its answer resumes here."""
+        if self.world_size > 1:
+            self._share_due(now, actions)
+            return
+        for f in self.fragments:
+            if not self._due_now(f):
+                continue
+            upd, f.arrived = f.arrived, None
+            if upd is None:
+                if self.config.deterministic:
+                    self._wait_for(f, now, actions)
+                    return
+                continue  # applied on the first step after it arrives
+            self._resolve(f, upd, actions)
+
+    def _share_due(self, now: float, actions: list[LearnerAction]) -> None:
+        changes = [Change.NONE] * len(self.fragments)
+        for f in self.fragments:
+            if not f.owns:
+                continue
+            if f.arrived is not None and f.arrived.reset:
+                changes[f.index] = Change.ADOPT
+                continue
+            if not self._due_now(f):
+                continue
+            if f.arrived is None and self.config.deterministic:
+                self._wait_for(f, now, actions)
+                return
+            if f.arrived is not None:
+                changes[f.index] = Change.APPLY
+        # ``arrived`` stays until the ranks agree (ChangeAgreed): another owner of the
+        # fragment's blocks may not be ready at this step.
+        updates = {f.index: f.arrived for f in self.fragments if changes[f.index] and f.arrived is not None}
+        actions.append(ShareChanges(tuple(changes), updates))
+
+    def _due_now(self, f: FragmentState) -> bool:
+        return f.in_flight is not None and self.step >= f.in_flight.step + self.config.schedule.overlap
+
+    def _wait_for(self, f: FragmentState, now: float, actions: list[LearnerAction]) -> None:
+        self._waiting = f.index
+        actions.append(WaitForVersion(f.index, f.version, now + self.config.learner.wait_timeout))
+
+    def _wait_answered(self, event: WaitAnswered, now: float, actions: list[LearnerAction]) -> None:
+        if event.fragment != self._waiting or event.update.fragment != event.fragment:
+            raise RuntimeError(f"WaitAnswered for fragment {event.fragment} with a value of fragment "
+                               f"{event.update.fragment}, but the core waits for fragment {self._waiting}")
+        self._waiting = None
+        f = self.fragments[event.fragment]
+        if self.world_size > 1:
+            f.arrived = event.update
+        else:
+            self._resolve(f, event.update, actions)
+        self._apply_due(now, actions)
+
+    def _change_agreed(self, event: ChangeAgreed, actions: list[LearnerAction]) -> None:
+        f = self._fragment(event.fragment)
+        if event.change == Change.ADOPT:
+            self._adopt(f, event.update, actions)
+        elif event.change == Change.APPLY:
+            if f.in_flight is None:
+                raise RuntimeError(f"rank {self.rank}: the ranks agreed to apply fragment {f.index}, which this rank "
+                                   "has not sent; were the ranks' steps out of step?")
+            f.arrived = None  # what this rank offered (an owner) is what was agreed
+            self._apply(f, event.update, f.in_flight, actions)
+        else:
+            raise ValueError(f"ChangeAgreed for fragment {f.index} with {event.change!r}; only nonzero changes are agreed")
+
+    def _resolve(self, f: FragmentState, upd: Update, actions: list[LearnerAction]) -> None:
+        if upd.reset:
+            # The syncer forgot this learner (silence, restart) while we waited: its
+            # contribution is gone, so no merge will answer it. Adopt the value and
+            # take part again from the fragment's next send.
+            self._adopt(f, upd, actions)
+        else:
+            assert f.in_flight is not None
+            self._apply(f, upd, f.in_flight, actions)
+
+    def _apply(self, f: FragmentState, upd: Update, sent: InFlight, actions: list[LearnerAction]) -> None:
+        same_epoch = upd.epoch == f.epoch
+        f.version_lag = max(0, upd.version - f.version - 1) if same_epoch else 0
+        f.held = list(upd.tensors)
+        f.version, f.epoch = upd.version, upd.epoch
+        f.in_flight = None
+        if self.rule == "keep_local":
+            # The steps made since the send are still in the local value: they count
+            # in the next contribution.
+            s, k, c = sent.counts
+            f.c_steps -= s
+            f.c_tokens -= k
+            f.c_time -= c
+        else:
+            f.c_steps, f.c_tokens, f.c_time = 0, 0.0, 0.0
+        actions.append(ApplyValue(f.index, upd, self.rule, self.config.learner.mix_alpha, sent.at_send))
+
+    def _adopt(self, f: FragmentState, upd: Update, actions: list[LearnerAction]) -> None:
+        """A rejoin answer (e.g. the syncer restarted from a checkpoint): take its value
+        as the new base and keep the local progress made on top of the old one."""
+        # Whatever was sent is forgotten by the syncer (or will be answered as a plain
+        # update, applied after this learner's next send of the fragment).
+        f.in_flight = None
+        f.arrived = None
+        f.epoch = upd.epoch
+        if upd.version == f.version and all(map(torch.equal, f.held, upd.tensors)):
+            return
+        new = list(upd.tensors)
+        actions.append(Rebase(f.index, old=f.held, new=new))
+        f.held = new
+        f.version = upd.version
+
+    def _probe_measured(self, event: ProbeMeasured) -> None:
+        f = self._fragment(event.fragment)
+        before, after = event.before, event.after
+        # Relative, so one threshold fits every model's loss scale.
+        gain = (before - after) / abs(before) if before else 0.0
+        f.merge_gain = gain
+        if math.isfinite(gain):  # a non-finite probe is the user's to see, not the syncer's
+            f.gain_to_report = gain
+
+    def _fragment(self, p: int) -> FragmentState:
+        if not 0 <= p < len(self.fragments):
+            raise ValueError(f"fragment {p} is not in this layout (0..{len(self.fragments) - 1})")
+        return self.fragments[p]
+
+
+def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_size: int) -> None:
+    """Raise ValueError naming what is wrong when ``layout`` cannot be this rank's part of
+    ``fragments``: one entry per fragment and tensor, owned pieces well formed and each
+    the rank's own block of its tensor."""
+    if len(layout.blocks) != len(fragments) or any(len(b) != len(f.tensors) for f, b in zip(fragments, layout.blocks)):
+        raise ValueError(f"the rank layout has blocks for {[len(b) for b in layout.blocks]} tensors per fragment, the "
+                         f"fragments have {[len(f.tensors) for f in fragments]}; build it with rank_layout over "
+                         "these fragments")
+    problem = pieces_problem(fragments, layout.owned)
+    if problem:
+        raise ValueError(f"the rank layout's owned pieces: {problem}")
+    for f, blocks, owned in zip(fragments, layout.blocks, layout.owned):
+        foreign = [pc for pc in owned if blocks[pc.tensor] != pc]
+        if foreign:
+            raise ValueError(f"fragment {f.index}: the rank layout owns {foreign[0]}, which is not this rank's block "
+                             f"of that tensor ({blocks[foreign[0].tensor]})")
+    if layout.sharded and world_size < 2:
+        raise ValueError("a sharded rank layout needs world_size >= 2 (one process holds every tensor whole)")

@@ -1,0 +1,515 @@
+"""The learner's sans-I/O core alone: a fake clock, no link, no torch.distributed.
+
+A small driver below plays the part ``RackmendOptimizer`` plays: it holds one local
+tensor per fragment, "trains" by subtracting 0.125 per step (exact in binary, so the
+expected values are exact), carries out the core's actions and collects them, so the
+tests assert on the typed actions and on the values they leave.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import pytest
+import torch
+
+from rackmend.config import CompressionConfig, LearnerConfig, RackmendConfig, ScheduleConfig
+from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
+from rackmend.core.learner import (
+    ApplyDue,
+    ApplyValue,
+    Change,
+    ChangeAgreed,
+    InnerStepDone,
+    JoinedValue,
+    LearnerAction,
+    LearnerCore,
+    Log,
+    ProbeMeasured,
+    Rebase,
+    SendFragment,
+    SetValue,
+    ShareChanges,
+    SnapshotTaken,
+    TakeSnapshot,
+    TrainingResumed,
+    WaitAnswered,
+    WaitForVersion,
+)
+from rackmend.core.assembly import assemble
+from rackmend.core.messages import Update
+from rackmend.core.pieces import Piece, RankLayout, cover_problem, plain_layout, rank_layout, whole_pieces
+
+N = 3  # elements per fragment tensor
+LR = 0.125  # local "training": every step subtracts this from every element
+TOKENS = 8.0
+
+
+def cfg(*, H: int = 4, P: int = 1, tau: int = 1, apply: str = "auto", deterministic: bool = False,
+        uplink: str = "none") -> RackmendConfig:
+    return RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+                          learner=LearnerConfig(apply=apply), deterministic=deterministic,
+                          compression=CompressionConfig(uplink=uplink))
+
+
+def full(x: float) -> torch.Tensor:
+    return torch.full((N,), x)
+
+
+class Rack:
+    """A driver of one rank's core with a fake clock. By default each fragment is one
+    tensor of N elements, all ``start``; ``specs``, ``layout`` (this rank's blocks) and
+    ``values`` (the global value of each fragment's tensors at join) describe others."""
+
+    def __init__(self, config: RackmendConfig, *, rank: int = 0, world_size: int = 1, start: float = 0.0,
+                 specs: Sequence[FragmentSpec] | None = None, layout: RankLayout | None = None,
+                 values: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
+        sch = config.schedule
+        offsets = fragment_offsets(sch.num_fragments, sch.sync_every)
+        self.specs = list(specs or [FragmentSpec(p, offsets[p], (TensorSpec(f"w{p}", (N,), torch.float32),))
+                                    for p in range(sch.num_fragments)])
+        self.core = LearnerCore(config, self.specs, learner_id="a", rank=rank, world_size=world_size, layout=layout)
+        values = values or [[torch.full(t.shape, start) for t in spec.tensors] for spec in self.specs]
+        self.local = [[v[b.slices()].clone() if b is not None else v.new_empty(0) for v, b in zip(vs, blocks)]
+                      for vs, blocks in zip(values, self.core.layout.blocks)]
+        """Per fragment, this rank's block of each tensor."""
+        self.clock = 100.0
+        self.sent: list[SendFragment] = []
+        for p in range(len(self.specs)):
+            joined = Update(p, 0, tuple(t.clone() for t in self.local[p]))
+            acts = self.run(self.core.handle(JoinedValue(joined), self.clock))
+            assert [type(a) for a in acts] == [SetValue]
+
+    def train(self) -> None:
+        """One inner step's change of the local values."""
+        for pieces in self.local:
+            for t in pieces:
+                t.sub_(LR)
+
+    def run(self, actions: Sequence[LearnerAction]) -> list[LearnerAction]:
+        """Carry out ``actions``; returns them with those their answers produced, in order."""
+        out: list[LearnerAction] = []
+        for a in actions:
+            out.append(a)
+            if isinstance(a, TakeSnapshot):
+                snap = [t.clone() for t in self.local[a.fragment]]
+                out += self.run(self.core.handle(SnapshotTaken(a.fragment, snap), self.clock))
+            elif isinstance(a, (SetValue, Rebase, ApplyValue)):
+                a.apply_to(self.local[a.fragment])
+            elif isinstance(a, SendFragment):
+                self.sent.append(a)
+        return out
+
+    def step(self, arrived: Sequence[Update] = (), *, dt: float = 0.5, overhead: float = 0.0) -> list[LearnerAction]:
+        """One inner step of ``dt`` seconds, then rackmend's bookkeeping taking ``overhead``."""
+        self.clock += dt
+        self.train()
+        out = self.run(self.core.handle(InnerStepDone(TOKENS, tuple(arrived)), self.clock))
+        out += self.run(self.core.handle(ApplyDue(), self.clock))
+        if not any(isinstance(a, WaitForVersion) for a in out):
+            self.resume(overhead)
+        return out
+
+    def resume(self, overhead: float = 0.0) -> None:
+        self.clock += overhead
+        assert self.core.handle(TrainingResumed(), self.clock) == []
+
+    def steps(self, n: int) -> list[list[LearnerAction]]:
+        return [self.step() for _ in range(n)]
+
+
+def of(actions: Sequence[LearnerAction], kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+# ---------------------------------------------------------------------- the schedule
+def test_fragments_are_due_on_their_offsets() -> None:
+    rack = Rack(cfg(H=4, P=2, tau=1))
+    per_step = rack.steps(8)
+    snapshots = {t + 1: [a.fragment for a in of(acts, TakeSnapshot)] for t, acts in enumerate(per_step)}
+    # Offsets t_p = p * H / P = 0, 2: fragment 1 after steps 2 and 6, fragment 0 after 4 and 8.
+    assert snapshots == {1: [], 2: [1], 3: [], 4: [0], 5: [], 6: [1], 7: [], 8: [0]}
+    assert [(s.contribution.fragment, s.contribution.step) for s in rack.sent] == [(1, 2), (0, 4), (1, 6), (0, 8)]
+
+
+def test_contribution_carries_outer_gradient_and_counters() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1), start=1.0)
+    rack.steps(4)
+    (send,) = rack.sent
+    c = send.contribution
+    # Delta = held - local = 1 - (1 - 4 * 0.125).
+    assert torch.equal(c.tensors[0], full(4 * LR))
+    assert (c.fragment, c.base_version, c.step, c.c_steps, c.c_tokens) == (0, 0, 4, 4, 4 * TOKENS)
+    # The first step has no start to measure from: 0 + 3 x 0.5 s over 4 steps.
+    assert c.step_time == pytest.approx(1.5 / 4)
+    assert (c.rank_steps, c.rank_step_time) == (3, 0.5)
+    assert send.nbytes == N * 4 and c.encoded is None
+
+
+def test_step_time_excludes_rackmends_own_time() -> None:
+    rack = Rack(cfg(H=2, P=1, tau=1))
+    for dt, overhead in ((0.5, 9.0), (0.25, 9.0), (0.75, 9.0), (1.0, 9.0)):
+        rack.step(dt=dt, overhead=overhead)
+    first, second = (s.contribution for s in rack.sent)
+    assert (first.rank_steps, first.rank_step_time) == (1, 0.25)
+    # Rank step times restart after each contribution; the overhead never counts.
+    assert (second.rank_steps, second.rank_step_time) == (2, pytest.approx(0.875))
+
+
+# ---------------------------------------------------------------------- applying values
+@pytest.mark.parametrize("rule,expected", [
+    ("overwrite", 1.0),                           # theta <- merged
+    ("keep_local", 1.0 + (-6 * LR - -4 * LR)),    # merged + progress since the send (steps 5, 6)
+    ("mix", 0.5 * -6 * LR + 0.5 * 1.0),           # alpha * theta + (1 - alpha) * merged
+])
+def test_value_applies_at_t_send_plus_tau_by_rule(rule: str, expected: float) -> None:
+    rack = Rack(cfg(H=4, P=1, tau=2, apply=rule))
+    rack.steps(4)  # sent after step 4
+    assert rack.core.in_flight() == (0,)
+    merged = Update(0, 1, (full(1.0),))
+    step5 = rack.step([merged])  # arrives now, applies only at t_send + tau = 6
+    assert not of(step5, ApplyValue) and rack.core.fragments[0].arrived is merged
+    (apply,) = of(rack.step(), ApplyValue)
+    assert (apply.fragment, apply.rule, apply.update) == (0, rule, merged)
+    if rule == "keep_local":
+        assert apply.at_send is not None and torch.equal(apply.at_send[0], full(-4 * LR))
+    else:
+        assert apply.at_send is None
+    assert torch.equal(rack.local[0][0], full(expected))
+    f = rack.core.fragments[0]
+    assert (f.version, f.in_flight, f.arrived, f.version_lag) == (1, None, None, 0)
+    assert torch.equal(f.held[0], full(1.0))
+
+
+@pytest.mark.parametrize("rule", ["overwrite", "keep_local"])
+def test_counters_after_apply_and_in_the_next_send(rule: str) -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1, apply=rule))
+    rack.steps(4)
+    rack.step([Update(0, 1, (full(0.0),))])  # applied at step 5
+    f = rack.core.fragments[0]
+    # overwrite drops the step made since the send; keep_local keeps it and counts it.
+    kept = 1 if rule == "keep_local" else 0
+    assert (f.c_steps, f.c_tokens) == (kept, kept * TOKENS)
+    rack.steps(3)
+    c = rack.sent[-1].contribution
+    assert (c.step, c.base_version, c.c_steps, c.c_tokens) == (8, 1, 3 + kept, (3 + kept) * TOKENS)
+
+
+def test_late_value_applies_on_the_first_step_after_it_arrives() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1, apply="keep_local"))
+    rack.steps(4)
+    assert not of(rack.step(), ApplyValue) and not of(rack.step(), ApplyValue)  # t_send + tau passed, nothing here
+    assert rack.core.in_flight() == (0,)
+    (apply,) = of(rack.step([Update(0, 1, (full(2.0),))]), ApplyValue)  # step 7
+    assert apply.fragment == 0 and rack.core.in_flight() == ()
+    assert torch.equal(rack.local[0][0], full(2.0 + (-7 * LR - -4 * LR)))
+
+
+def test_newest_value_wins_and_old_ones_are_ignored_with_a_log_line() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1))
+    rack.steps(4)
+    acts = rack.step([Update(0, 2, (full(2.0),)), Update(0, 1, (full(1.0),)), Update(0, 0, (full(9.0),))])
+    (apply,) = of(acts, ApplyValue)
+    assert apply.update.version == 2
+    assert rack.core.fragments[0].version_lag == 1  # version 1 was skipped
+    (line,) = of(acts, Log)
+    assert line.level == logging.DEBUG and "version 0" in line.message
+
+
+def test_value_for_a_fragment_not_sent_waits_for_its_send() -> None:
+    rack = Rack(cfg(H=4, P=2, tau=1))
+    early = Update(0, 1, (full(1.0),))
+    assert not of(rack.step([early]), ApplyValue)  # fragment 0 leaves after step 4
+    rack.steps(2)
+    acts = rack.step()  # step 4: sent, based on version 0 (the syncer re-anchors it)
+    assert rack.sent[-1].contribution.base_version == 0 and not of(acts, ApplyValue)
+    (apply,) = of(rack.step(), ApplyValue)
+    assert apply.update is early
+
+
+# ---------------------------------------------------------------------- deterministic mode
+def test_deterministic_mode_waits_at_t_send_plus_tau() -> None:
+    config = cfg(H=4, P=1, tau=1, deterministic=True)
+    rack = Rack(config)
+    rack.steps(4)
+    acts = rack.step()
+    (wait,) = of(acts, WaitForVersion)
+    assert acts[-1] is wait
+    assert (wait.fragment, wait.after_version, wait.deadline) == (0, 0, rack.clock + config.learner.wait_timeout)
+    with pytest.raises(RuntimeError, match="waits for fragment 0"):
+        rack.core.handle(WaitAnswered(1, Update(1, 1, (full(1.0),))), rack.clock)
+    # A wait the driver gave up on (it raised) is asked again at the next step.
+    (again,) = of(rack.step(), WaitForVersion)
+    assert (again.fragment, again.after_version, again.deadline) == (0, 0, rack.clock + config.learner.wait_timeout)
+    rack.clock += 3.0
+    merged = Update(0, 1, (full(1.0),))
+    (apply,) = rack.run(rack.core.handle(WaitAnswered(0, merged), rack.clock))
+    assert isinstance(apply, ApplyValue) and apply.rule == "overwrite" and apply.update is merged
+    assert torch.equal(rack.local[0][0], full(1.0))
+    rack.resume()
+    assert rack.core.fragments[0].c_steps == 0 and rack.core.in_flight() == ()
+
+
+def test_deterministic_wait_answered_by_a_rejoin_value_rebases() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1, deterministic=True))
+    rack.steps(4)
+    rack.step()
+    reset = Update(0, 5, (full(3.0),), reset=True, epoch=7)
+    (rebase,) = rack.run(rack.core.handle(WaitAnswered(0, reset), rack.clock))
+    assert isinstance(rebase, Rebase)
+    assert torch.equal(rack.local[0][0], full(3.0 - 5 * LR))
+    f = rack.core.fragments[0]
+    assert (f.version, f.epoch, f.in_flight) == (5, 7, None)
+
+
+# ---------------------------------------------------------------------- rejoin
+def test_reset_value_rebases_local_progress_before_the_send() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1))
+    rack.steps(3)
+    reset = Update(0, 6, (full(2.0),), reset=True, epoch=3)
+    acts = rack.step([reset])  # step 4: adopted first, then the send is based on it
+    assert [type(a) for a in acts] == [Rebase, TakeSnapshot, SendFragment]
+    rebase = acts[0]
+    assert torch.equal(rebase.old[0], full(0.0)) and torch.equal(rebase.new[0], full(2.0))
+    assert torch.equal(rack.local[0][0], full(2.0 - 4 * LR))
+    c = rack.sent[-1].contribution
+    assert (c.base_version, c.base_epoch) == (6, 3)
+    assert torch.equal(c.tensors[0], full(4 * LR))
+
+
+def test_reset_with_the_value_held_changes_nothing_but_the_epoch() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1))
+    rack.steps(4)
+    acts = rack.step([Update(0, 0, (full(0.0),), reset=True, epoch=4)])
+    assert not of(acts, Rebase) and not of(acts, ApplyValue)
+    f = rack.core.fragments[0]
+    assert (f.version, f.epoch, f.in_flight) == (0, 4, None)  # the send is forgotten by the syncer
+    assert torch.equal(rack.local[0][0], full(-5 * LR))
+
+
+def test_restored_state_rebases_onto_a_newer_joined_value() -> None:
+    config = cfg(H=4, P=2, tau=1, uplink="int8")
+    before = Rack(config)
+    before.steps(6)
+    saved = before.core.state_dict()
+    assert saved["uplink"], "the int8 uplink's residuals are part of the state"
+    # The learner restarts; meanwhile fragment 0 moved on at the syncer, fragment 1 did not.
+    after = Rack(config)
+    after.run(after.core.handle(JoinedValue(Update(0, 3, (full(1.0),))), after.clock))
+    rebases = after.core.load_state_dict(saved)
+    assert [(r.fragment, float(r.old[0][0]), float(r.new[0][0])) for r in rebases] == [(0, 0.0, 1.0)]
+    f0, f1 = after.core.fragments
+    assert (f0.version, f1.version, after.core.step, f0.c_steps) == (3, 0, 6, 6)
+    assert after.core.in_flight() == ()
+    with pytest.raises(ValueError, match="entries per fragment"):
+        Rack(cfg(H=4, P=3, tau=1, uplink="int8")).core.load_state_dict(saved)
+
+
+# ---------------------------------------------------------------------- what rides along
+def test_merge_gain_rides_with_the_next_contribution_once() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1))
+    rack.steps(4)
+    rack.step([Update(0, 1, (full(1.0),))])
+    assert rack.core.handle(ProbeMeasured(0, before=2.0, after=1.5), rack.clock) == []
+    assert rack.core.fragments[0].merge_gain == 0.25
+    rack.steps(3)
+    rack.step([Update(0, 2, (full(1.0),))])
+    rack.core.handle(ProbeMeasured(0, before=2.0, after=math.nan), rack.clock)  # not finite: kept, not sent
+    rack.steps(3)
+    assert [s.contribution.merge_gain for s in rack.sent] == [None, 0.25, None]
+    assert math.isnan(rack.core.fragments[0].merge_gain)
+
+
+def test_lossy_uplink_sends_what_the_syncer_will_merge() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1, uplink="int8"))
+    rack.local[0][0].copy_(torch.tensor([0.3, -0.2, 0.01]))
+    rack.steps(4)
+    send = rack.sent[-1]
+    (enc,) = send.contribution.encoded
+    assert send.nbytes == enc.nbytes() < N * 4
+    decoded = send.contribution.tensors[0]
+    exact = -(torch.tensor([0.3, -0.2, 0.01]) - 4 * LR)
+    assert not torch.equal(decoded, exact) and torch.allclose(decoded, exact, atol=0.01)
+
+
+# ---------------------------------------------------------------------- several ranks
+def test_ranks_split_fragments_and_agree_on_changes() -> None:
+    rack = Rack(cfg(H=4, P=2, tau=1), rank=1, world_size=2)
+    assert [rack.core.owns(p) for p in range(2)] == [False, True]
+    acts = [a for _ in range(4) for a in rack.step()]
+    # Rank 1 sends fragment 1 only; fragment 0 is tracked, for its owner's send.
+    assert [a.contribution.fragment for a in of(acts, SendFragment)] == [1]
+    c = rack.sent[0].contribution
+    assert (c.rank, c.c_tokens) == (1, 2 * 2 * TOKENS)  # the learner's tokens: x world size
+    assert rack.core.in_flight() == (0, 1)
+    mine = Update(1, 1, (full(1.0),))
+    share = of(rack.step([mine]), ShareChanges)[-1]
+    # Fragment 1 left after step 2: due at 3, applied once all ranks agree.
+    assert share.changes == (Change.NONE, Change.APPLY) and share.updates == {1: mine}
+    (apply,) = rack.run(rack.core.handle(ChangeAgreed(1, Change.APPLY, mine), rack.clock))
+    assert isinstance(apply, ApplyValue) and torch.equal(rack.local[1][0], full(1.0 - 3 * LR))
+    theirs = Update(0, 1, (full(2.0),))
+    (apply,) = rack.run(rack.core.handle(ChangeAgreed(0, Change.APPLY, theirs), rack.clock))
+    assert apply.fragment == 0 and rack.core.in_flight() == ()
+
+
+def test_ranks_adopt_a_rejoin_value_together() -> None:
+    rack = Rack(cfg(H=4, P=2, tau=1), rank=0, world_size=2)
+    reset = Update(0, 4, (full(1.0),), reset=True, epoch=2)
+    acts = rack.step([reset])
+    assert not of(acts, Rebase)  # not on one rank alone
+    (share,) = of(acts, ShareChanges)
+    assert share.changes == (Change.ADOPT, Change.NONE) and share.updates == {0: reset}
+    (rebase,) = rack.run(rack.core.handle(ChangeAgreed(0, Change.ADOPT, reset), rack.clock))
+    assert isinstance(rebase, Rebase) and torch.equal(rack.local[0][0], full(1.0 - LR))
+
+
+def test_ranks_in_deterministic_mode_wait_then_share() -> None:
+    rack = Rack(cfg(H=4, P=2, tau=1, deterministic=True), rank=0, world_size=2)
+    rack.steps(4)
+    (wait,) = of(rack.step(), WaitForVersion)
+    assert wait.fragment == 0
+    mine = Update(0, 1, (full(1.0),))
+    (share,) = rack.core.handle(WaitAnswered(0, mine), rack.clock)
+    assert isinstance(share, ShareChanges) and share.changes == (Change.APPLY, Change.NONE)
+
+
+# ---------------------------------------------------------------------- sharded ranks
+def hsdp_rack(P: int) -> tuple[list[FragmentSpec], list[list[tuple[Piece, Piece]]]]:
+    """Fragments of a (4, 3) weight and a (3,) bias, and the blocks each of 4 ranks holds
+    under HSDP (2 shards x 2 replicas): ranks 0 and 2 hold rows 0-1 of the weight, ranks
+    1 and 3 rows 2-3; every rank holds the whole bias."""
+    offsets = fragment_offsets(P, 4)
+    specs = [FragmentSpec(p, offsets[p], (TensorSpec(f"w{p}", (4, 3), torch.float32),
+                                          TensorSpec(f"b{p}", (3,), torch.float32))) for p in range(P)]
+    rows = [0, 2, 0, 2]
+    rack = [[(Piece(0, (rows[r], 0), (2, 3)), Piece(1, (0,), (3,))) for _ in specs] for r in range(4)]
+    return specs, rack
+
+
+def global_values(specs: Sequence[FragmentSpec]) -> list[list[torch.Tensor]]:
+    """A different integer in every element, so a misplaced block shows."""
+    return [[torch.arange(t.numel, dtype=torch.float32).reshape(t.shape) + 100 * (spec.index * 2 + i)
+             for i, t in enumerate(spec.tensors)] for spec in specs]
+
+
+class Halving(Rack):
+    """Local training that halves every element: the outer gradient differs per element."""
+
+    def train(self) -> None:
+        for pieces in self.local:
+            for t in pieces:
+                t.mul_(0.5)
+
+
+def test_sharded_owner_rule_gives_each_block_exactly_one_owner() -> None:
+    specs, rack = hsdp_rack(P=2)
+    layouts = [rank_layout(specs, rack, r) for r in range(4)]
+    w_top, w_bottom, b = Piece(0, (0, 0), (2, 3)), Piece(0, (2, 0), (2, 3)), Piece(1, (0,), (3,))
+    # Of the ranks holding a block, the (p mod holders)-th owns it in fragment p: the
+    # replicas take turns, as the ranks of a plain rack take turns with fragments.
+    assert [lay.owned for lay in layouts] == [
+        ((w_top, b), ()),
+        ((w_bottom,), (b,)),
+        ((), (w_top,)),
+        ((), (w_bottom,)),
+    ]
+    assert all(lay.sharded for lay in layouts)
+    assert layouts[1].blocks == ((w_bottom, b), (w_bottom, b))
+    assert cover_problem(specs, [lay.owned for lay in layouts]) is None
+    # A plain rack (every rank holds every tensor whole) is the same rule's striping.
+    whole = [[tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(s.tensors)) for s in specs]] * 3
+    for r in range(3):
+        assert rank_layout(specs, whole, r) == plain_layout(specs, r, 3)
+        assert plain_layout(specs, r, 3).owned == whole_pieces(specs, r, 3)
+        assert not plain_layout(specs, r, 3).sharded
+
+
+def test_sharded_ranks_send_owned_pieces_that_assemble_to_the_single_process_outer_gradient() -> None:
+    specs, rack = hsdp_rack(P=2)
+    config = cfg(H=4, P=2, tau=1)
+    ranks = [Halving(config, rank=r, world_size=4, specs=specs, layout=rank_layout(specs, rack, r),
+                     values=global_values(specs)) for r in range(4)]
+    single = Halving(config, specs=specs, values=global_values(specs))
+    for _ in range(4):
+        for rank in [*ranks, single]:
+            # Every rank takes part in ShareChanges (none is due to change here).
+            assert all(not any(a.changes) for a in of(rank.step(), ShareChanges))
+    for p in range(2):
+        sends = [(r, s) for r, rank in enumerate(ranks) for s in rank.sent if s.contribution.fragment == p]
+        (whole,) = [s for s in single.sent if s.contribution.fragment == p]
+        owners = [r for r in range(4) if ranks[r].core.layout.owned[p]]
+        assert [r for r, _ in sends] == owners  # each owner once, nobody else
+        for r, s in sends:
+            c = s.contribution
+            assert c.pieces == ranks[r].core.layout.owned[p] and c.rank == r
+            assert s.nbytes == sum(pc.numel for pc in c.pieces) * 4
+            assert (c.step, c.c_steps, c.base_version) == (whole.contribution.step, whole.contribution.c_steps, 0)
+        assembled = assemble(specs[p], [(s.contribution.pieces, s.contribution.tensors) for _, s in sends])
+        assert whole.contribution.pieces is None
+        for got, want in zip(assembled, whole.contribution.tensors):
+            assert torch.equal(got, want)
+        # Not uniform: a block in the wrong place would differ.
+        assert len(set(assembled[0].flatten().tolist())) == 12
+    # A rank owning nothing of a fragment tracks its round for the owners' send.
+    assert ranks[3].core.in_flight() == (0, 1) and not ranks[3].core.owns(0)
+
+
+def test_sharded_change_waits_for_every_owner_and_keeps_the_offer() -> None:
+    specs, rack = hsdp_rack(P=1)
+    config = cfg(H=4, P=1, tau=1, apply="overwrite")
+    rank = Rack(config, rank=1, world_size=4, specs=specs, layout=rank_layout(specs, rack, 1), start=1.0)
+    rank.steps(4)
+    (sent,) = rank.sent
+    assert sent.contribution.pieces == (Piece(0, (2, 0), (2, 3)),)  # rank 0 owns the bias
+    mine = Update(0, 1, (torch.full((2, 3), 5.0),))  # the syncer sends rank 1 its piece only
+    (share,) = of(rank.step([mine]), ShareChanges)
+    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
+    # Another owner was not ready: the driver agreed on nothing. The offer stays.
+    (share,) = of(rank.step(), ShareChanges)
+    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
+    assert rank.core.fragments[0].version == 0
+    # Agreed: the owners' values as this rank holds them (its block of each tensor).
+    agreed = Update(0, 1, (torch.full((2, 3), 5.0), torch.full((3,), 7.0)))
+    (apply,) = rank.run(rank.core.handle(ChangeAgreed(0, Change.APPLY, agreed), rank.clock))
+    assert isinstance(apply, ApplyValue)
+    assert torch.equal(rank.local[0][0], torch.full((2, 3), 5.0)) and torch.equal(rank.local[0][1], full(7.0))
+    assert rank.core.fragments[0].version == 1
+    (share,) = of(rank.step(), ShareChanges)
+    assert share.changes == (Change.NONE,) and share.updates == {}
+
+
+def test_sharded_layout_mistakes_raise() -> None:
+    specs, rack = hsdp_rack(P=1)
+    layout = rank_layout(specs, rack, 1)
+    with pytest.raises(ValueError, match="not this rank's block"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", rank=1, world_size=4,
+                    layout=RankLayout(layout.blocks, rank_layout(specs, rack, 0).owned, True))
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", layout=layout)
+    with pytest.raises(ValueError, match="blocks for"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", rank=1, world_size=4,
+                    layout=RankLayout(((layout.blocks[0][0],),), ((),), True))
+    rank = Rack(cfg(H=4, P=1, tau=1), rank=1, world_size=4, specs=specs, layout=layout)
+    rank.steps(3)
+    rank.clock += 1
+    rank.train()
+    (snap,) = of(rank.core.handle(InnerStepDone(TOKENS), rank.clock), TakeSnapshot)
+    with pytest.raises(ValueError, match=r"shape \[4, 3\], this rank holds \[2, 3\]"):
+        rank.core.handle(SnapshotTaken(0, [torch.zeros(4, 3), torch.zeros(3)]), rank.clock)
+
+
+# ---------------------------------------------------------------------- misuse
+def test_driver_mistakes_raise() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1))
+    with pytest.raises(RuntimeError, match="none was asked for"):
+        rack.core.handle(SnapshotTaken(0, [full(0.0)]), rack.clock)
+    with pytest.raises(ValueError, match="not in this layout"):
+        rack.core.handle(InnerStepDone(TOKENS, (Update(5, 1, (full(0.0),)),)), rack.clock)
+    spec = FragmentSpec(1, 0, (TensorSpec("w", (N,), torch.float32),))
+    with pytest.raises(ValueError, match="numbered 0..P-1"):
+        LearnerCore(cfg(), [spec], learner_id="a")
+    with pytest.raises(RuntimeError, match="has not sent"):
+        Rack(cfg(H=4, P=2), world_size=2).core.handle(ChangeAgreed(1, Change.APPLY, Update(1, 1, (full(0.0),))), 0.0)
