@@ -8,9 +8,10 @@ when and how a merged value applies, what deterministic mode waits for) and carr
 out the core's actions: host snapshots of fragments (pinned buffers on a side
 stream on CUDA), sends and waits on the link, the collectives between the ranks of
 a multi-rank learner (``rackmend.learner.pieces``: agreeing on what changes, bringing
-received values to every rank, also for sharded DTensor parameters), writes into
-the model's parameters, merge-gain probes and user callbacks. It owns the model, the inner optimizer, the link and the clock. It
-blocks only when joining and, in deterministic mode, at t_send + tau.
+received values to every rank, sharded DTensor parameters included), writes into
+the model's parameters, merge-gain probes and user callbacks. It owns the model,
+the inner optimizer, the link and the clock. It blocks only when joining and, in
+deterministic mode, at t_send + tau.
 
 It honours the ``torch.optim.Optimizer`` contract: step and state_dict hooks,
 LR schedulers (``param_groups`` are the inner optimizer's), ``zero_grad``.
@@ -133,11 +134,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         # Inside a multi-rank learner (torchrun), one rank owns each block of each fragment
         # (core.pieces.owner): only it sends it and talks to the syncer about it; merged
         # values reach the ranks holding copies by broadcast, at the same step on every rank.
-        self._group = process_group
         dist = torch.distributed
-        self._dist = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
-        self.world_size = dist.get_world_size(process_group) if self._dist else 1
-        self.rank = dist.get_rank(process_group) if self._dist else 0
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.world_size = dist.get_world_size(process_group) if several else 1
+        self.rank = dist.get_rank(process_group) if several else 0
         link_ranks = (getattr(link, "rank", 0), getattr(link, "world_size", 1))
         if link_ranks != (self.rank, self.world_size):
             # A link that disagrees would carry only part of the fragments (each rank of
