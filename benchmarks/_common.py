@@ -8,6 +8,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,3 +52,21 @@ def finish(name: str, out: Path | None, payload: dict[str, Any], result: dict[st
     tmp.replace(path)
     print(f"wrote {path}")
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+
+
+def start_syncer(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A ``rackmend syncer`` with default settings on 127.0.0.1 (port chosen by the OS),
+    its log and output in ``workdir`` (created); (process, endpoint) once it listens."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / "syncer.endpoint"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready),
+         "--log", str(workdir / "events.jsonl")],
+        stdout=open(workdir / "syncer.out", "wb"), stderr=subprocess.STDOUT)
+    end = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise SystemExit(f"the syncer did not start: {(workdir / 'syncer.out').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc, ready.read_text()

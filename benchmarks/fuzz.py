@@ -248,7 +248,8 @@ class Fuzzer:
                 t = r.choice(tensors)
                 t.view(-1)[r.randrange(t.numel())] = bad
         elif mutation == "proto":
-            header["proto"] = r.choice([0, 1, 2, 3, 5, -1, "4", None, 2**40])
+            v = wire.PROTOCOL_VERSION  # every other version, and this one in the wrong type
+            header["proto"] = r.choice([0, 1, 2, v - 1, v + 1, -1, str(v), None, 2**40])
         elif mutation == "type":
             header["type"] = r.choice([*wire.LEARNER_TYPES, *wire.SYNCER_TYPES, "", "contrib ", 0])
         elif mutation == "swap" and len(header) > 2:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _common import finish, parser
+from _common import finish, parser, start_syncer
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,21 +39,6 @@ HERE = Path(__file__).resolve().parent
 def _percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def _start_syncer(workdir: Path) -> tuple[subprocess.Popen, str]:
-    ready = workdir / "syncer.endpoint"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready),
-         "--log", str(workdir / "events.jsonl")],
-        stdout=open(workdir / "syncer.out", "wb"), stderr=subprocess.STDOUT)
-    end = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise SystemExit(f"the syncer did not start: {(workdir / 'syncer.out').read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, ready.read_text()
 
 
 def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
@@ -160,7 +145,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rackmend-overhead-") as tmp:
         workdir = Path(tmp)
-        syncer, endpoint = _start_syncer(workdir)
+        syncer, endpoint = start_syncer(workdir)
         try:
             if a.rack == "single":
                 out = _rank_main(a, endpoint)

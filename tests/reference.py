@@ -57,8 +57,15 @@ def reference_run(
     config: RackmendConfig,
     learner_ids: list[str],
     steps: int,
+    grad_ranks: dict[str, int] | None = None,
 ) -> tuple[dict[str, nn.Module], list[list[torch.Tensor]]]:
-    """Returns each learner's final model and the global value of every fragment."""
+    """Returns each learner's final model and the global value of every fragment.
+
+    ``grad_ranks``: learners whose rack averages its gradient over k data-parallel
+    ranks that all see the learner's batch (FSDP2's reduce-scatter): their gradient is
+    (g + ... + g) / k, k copies, as the rack computes it. For k = 1 or 2 that is g
+    exactly; for k = 3 fl(fl(3g) / 3) can differ from g by an ulp, an op of the rack's
+    own inner step that this models so the comparison stays bit for bit."""
     sch, sc, lc = config.schedule, config.syncer, config.learner
     # "auto" written out here, not taken from the library: the reference runs in lockstep,
     # where it means overwrite.
@@ -125,6 +132,15 @@ def reference_run(
             loss = L.model(x, y)
             L.opt.zero_grad()
             loss.backward()
+            k = (grad_ranks or {}).get(lid, 1)
+            if k > 2:
+                with torch.no_grad():
+                    for q in L.model.parameters():
+                        if q.grad is not None:
+                            total = q.grad.clone()
+                            for _ in range(k - 1):
+                                total += q.grad
+                            q.grad.copy_(total / k)
             L.opt.step()
             for p in range(len(frags)):
                 L.c_steps[p] += 1

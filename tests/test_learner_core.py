@@ -38,7 +38,9 @@ from rackmend.core.learner import (
     WaitAnswered,
     WaitForVersion,
 )
+from rackmend.core.assembly import assemble
 from rackmend.core.messages import Update
+from rackmend.core.pieces import Piece, RankLayout, cover_problem, plain_layout, rank_layout, whole_pieces
 
 N = 3  # elements per fragment tensor
 LR = 0.125  # local "training": every step subtracts this from every element
@@ -57,20 +59,34 @@ def full(x: float) -> torch.Tensor:
 
 
 class Rack:
-    """A one-rank driver of the core with a fake clock."""
+    """A driver of one rank's core with a fake clock. By default each fragment is one
+    tensor of N elements, all ``start``; ``specs``, ``layout`` (this rank's blocks) and
+    ``values`` (the global value of each fragment's tensors at join) describe others."""
 
-    def __init__(self, config: RackmendConfig, *, rank: int = 0, world_size: int = 1, start: float = 0.0) -> None:
+    def __init__(self, config: RackmendConfig, *, rank: int = 0, world_size: int = 1, start: float = 0.0,
+                 specs: Sequence[FragmentSpec] | None = None, layout: RankLayout | None = None,
+                 values: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
         sch = config.schedule
         offsets = fragment_offsets(sch.num_fragments, sch.sync_every)
-        self.specs = [FragmentSpec(p, offsets[p], (TensorSpec(f"w{p}", (N,), torch.float32),))
-                      for p in range(sch.num_fragments)]
-        self.core = LearnerCore(config, self.specs, learner_id="a", rank=rank, world_size=world_size)
-        self.local = [[full(start)] for _ in self.specs]
+        self.specs = list(specs or [FragmentSpec(p, offsets[p], (TensorSpec(f"w{p}", (N,), torch.float32),))
+                                    for p in range(sch.num_fragments)])
+        self.core = LearnerCore(config, self.specs, learner_id="a", rank=rank, world_size=world_size, layout=layout)
+        values = values or [[torch.full(t.shape, start) for t in spec.tensors] for spec in self.specs]
+        self.local = [[v[b.slices()].clone() if b is not None else v.new_empty(0) for v, b in zip(vs, blocks)]
+                      for vs, blocks in zip(values, self.core.layout.blocks)]
+        """Per fragment, this rank's block of each tensor."""
         self.clock = 100.0
         self.sent: list[SendFragment] = []
         for p in range(len(self.specs)):
-            acts = self.run(self.core.handle(JoinedValue(Update(p, 0, (full(start),))), self.clock))
+            joined = Update(p, 0, tuple(t.clone() for t in self.local[p]))
+            acts = self.run(self.core.handle(JoinedValue(joined), self.clock))
             assert [type(a) for a in acts] == [SetValue]
+
+    def train(self) -> None:
+        """One inner step's change of the local values."""
+        for pieces in self.local:
+            for t in pieces:
+                t.sub_(LR)
 
     def run(self, actions: Sequence[LearnerAction]) -> list[LearnerAction]:
         """Carry out ``actions``; returns them with those their answers produced, in order."""
@@ -89,8 +105,7 @@ class Rack:
     def step(self, arrived: Sequence[Update] = (), *, dt: float = 0.5, overhead: float = 0.0) -> list[LearnerAction]:
         """One inner step of ``dt`` seconds, then rackmend's bookkeeping taking ``overhead``."""
         self.clock += dt
-        for pieces in self.local:
-            pieces[0].sub_(LR)
+        self.train()
         out = self.run(self.core.handle(InnerStepDone(TOKENS, tuple(arrived)), self.clock))
         out += self.run(self.core.handle(ApplyDue(), self.clock))
         if not any(isinstance(a, WaitForVersion) for a in out):
@@ -322,7 +337,7 @@ def test_lossy_uplink_sends_what_the_syncer_will_merge() -> None:
 # ---------------------------------------------------------------------- several ranks
 def test_ranks_split_fragments_and_agree_on_changes() -> None:
     rack = Rack(cfg(H=4, P=2, tau=1), rank=1, world_size=2)
-    assert [f.owned for f in rack.core.fragments] == [False, True]
+    assert [rack.core.owns(p) for p in range(2)] == [False, True]
     acts = [a for _ in range(4) for a in rack.step()]
     # Rank 1 sends fragment 1 only; fragment 0 is tracked, for its owner's send.
     assert [a.contribution.fragment for a in of(acts, SendFragment)] == [1]
@@ -359,6 +374,131 @@ def test_ranks_in_deterministic_mode_wait_then_share() -> None:
     mine = Update(0, 1, (full(1.0),))
     (share,) = rack.core.handle(WaitAnswered(0, mine), rack.clock)
     assert isinstance(share, ShareChanges) and share.changes == (Change.APPLY, Change.NONE)
+
+
+# ---------------------------------------------------------------------- sharded ranks
+def hsdp_rack(P: int) -> tuple[list[FragmentSpec], list[list[tuple[Piece, Piece]]]]:
+    """Fragments of a (4, 3) weight and a (3,) bias, and the blocks each of 4 ranks holds
+    under HSDP (2 shards x 2 replicas): ranks 0 and 2 hold rows 0-1 of the weight, ranks
+    1 and 3 rows 2-3; every rank holds the whole bias."""
+    offsets = fragment_offsets(P, 4)
+    specs = [FragmentSpec(p, offsets[p], (TensorSpec(f"w{p}", (4, 3), torch.float32),
+                                          TensorSpec(f"b{p}", (3,), torch.float32))) for p in range(P)]
+    rows = [0, 2, 0, 2]
+    rack = [[(Piece(0, (rows[r], 0), (2, 3)), Piece(1, (0,), (3,))) for _ in specs] for r in range(4)]
+    return specs, rack
+
+
+def global_values(specs: Sequence[FragmentSpec]) -> list[list[torch.Tensor]]:
+    """A different integer in every element, so a misplaced block shows."""
+    return [[torch.arange(t.numel, dtype=torch.float32).reshape(t.shape) + 100 * (spec.index * 2 + i)
+             for i, t in enumerate(spec.tensors)] for spec in specs]
+
+
+class Halving(Rack):
+    """Local training that halves every element: the outer gradient differs per element."""
+
+    def train(self) -> None:
+        for pieces in self.local:
+            for t in pieces:
+                t.mul_(0.5)
+
+
+def test_sharded_owner_rule_gives_each_block_exactly_one_owner() -> None:
+    specs, rack = hsdp_rack(P=2)
+    layouts = [rank_layout(specs, rack, r) for r in range(4)]
+    w_top, w_bottom, b = Piece(0, (0, 0), (2, 3)), Piece(0, (2, 0), (2, 3)), Piece(1, (0,), (3,))
+    # Of the ranks holding a block, the (p mod holders)-th owns it in fragment p: the
+    # replicas take turns, as the ranks of a plain rack take turns with fragments.
+    assert [lay.owned for lay in layouts] == [
+        ((w_top, b), ()),
+        ((w_bottom,), (b,)),
+        ((), (w_top,)),
+        ((), (w_bottom,)),
+    ]
+    assert all(lay.sharded for lay in layouts)
+    assert layouts[1].blocks == ((w_bottom, b), (w_bottom, b))
+    assert cover_problem(specs, [lay.owned for lay in layouts]) is None
+    # A plain rack (every rank holds every tensor whole) is the same rule's striping.
+    whole = [[tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(s.tensors)) for s in specs]] * 3
+    for r in range(3):
+        assert rank_layout(specs, whole, r) == plain_layout(specs, r, 3)
+        assert plain_layout(specs, r, 3).owned == whole_pieces(specs, r, 3)
+        assert not plain_layout(specs, r, 3).sharded
+
+
+def test_sharded_ranks_send_owned_pieces_that_assemble_to_the_single_process_outer_gradient() -> None:
+    specs, rack = hsdp_rack(P=2)
+    config = cfg(H=4, P=2, tau=1)
+    ranks = [Halving(config, rank=r, world_size=4, specs=specs, layout=rank_layout(specs, rack, r),
+                     values=global_values(specs)) for r in range(4)]
+    single = Halving(config, specs=specs, values=global_values(specs))
+    for _ in range(4):
+        for rank in [*ranks, single]:
+            # Every rank takes part in ShareChanges (none is due to change here).
+            assert all(not any(a.changes) for a in of(rank.step(), ShareChanges))
+    for p in range(2):
+        sends = [(r, s) for r, rank in enumerate(ranks) for s in rank.sent if s.contribution.fragment == p]
+        (whole,) = [s for s in single.sent if s.contribution.fragment == p]
+        owners = [r for r in range(4) if ranks[r].core.layout.owned[p]]
+        assert [r for r, _ in sends] == owners  # each owner once, nobody else
+        for r, s in sends:
+            c = s.contribution
+            assert c.pieces == ranks[r].core.layout.owned[p] and c.rank == r
+            assert s.nbytes == sum(pc.numel for pc in c.pieces) * 4
+            assert (c.step, c.c_steps, c.base_version) == (whole.contribution.step, whole.contribution.c_steps, 0)
+        assembled = assemble(specs[p], [(s.contribution.pieces, s.contribution.tensors) for _, s in sends])
+        assert whole.contribution.pieces is None
+        for got, want in zip(assembled, whole.contribution.tensors):
+            assert torch.equal(got, want)
+        # Not uniform: a block in the wrong place would differ.
+        assert len(set(assembled[0].flatten().tolist())) == 12
+    # A rank owning nothing of a fragment tracks its round for the owners' send.
+    assert ranks[3].core.in_flight() == (0, 1) and not ranks[3].core.owns(0)
+
+
+def test_sharded_change_waits_for_every_owner_and_keeps_the_offer() -> None:
+    specs, rack = hsdp_rack(P=1)
+    config = cfg(H=4, P=1, tau=1, apply="overwrite")
+    rank = Rack(config, rank=1, world_size=4, specs=specs, layout=rank_layout(specs, rack, 1), start=1.0)
+    rank.steps(4)
+    (sent,) = rank.sent
+    assert sent.contribution.pieces == (Piece(0, (2, 0), (2, 3)),)  # rank 0 owns the bias
+    mine = Update(0, 1, (torch.full((2, 3), 5.0),))  # the syncer sends rank 1 its piece only
+    (share,) = of(rank.step([mine]), ShareChanges)
+    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
+    # Another owner was not ready: the driver agreed on nothing. The offer stays.
+    (share,) = of(rank.step(), ShareChanges)
+    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
+    assert rank.core.fragments[0].version == 0
+    # Agreed: the owners' values as this rank holds them (its block of each tensor).
+    agreed = Update(0, 1, (torch.full((2, 3), 5.0), torch.full((3,), 7.0)))
+    (apply,) = rank.run(rank.core.handle(ChangeAgreed(0, Change.APPLY, agreed), rank.clock))
+    assert isinstance(apply, ApplyValue)
+    assert torch.equal(rank.local[0][0], torch.full((2, 3), 5.0)) and torch.equal(rank.local[0][1], full(7.0))
+    assert rank.core.fragments[0].version == 1
+    (share,) = of(rank.step(), ShareChanges)
+    assert share.changes == (Change.NONE,) and share.updates == {}
+
+
+def test_sharded_layout_mistakes_raise() -> None:
+    specs, rack = hsdp_rack(P=1)
+    layout = rank_layout(specs, rack, 1)
+    with pytest.raises(ValueError, match="not this rank's block"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", rank=1, world_size=4,
+                    layout=RankLayout(layout.blocks, rank_layout(specs, rack, 0).owned, True))
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", layout=layout)
+    with pytest.raises(ValueError, match="blocks for"):
+        LearnerCore(cfg(H=4, P=1), specs, learner_id="a", rank=1, world_size=4,
+                    layout=RankLayout(((layout.blocks[0][0],),), ((),), True))
+    rank = Rack(cfg(H=4, P=1, tau=1), rank=1, world_size=4, specs=specs, layout=layout)
+    rank.steps(3)
+    rank.clock += 1
+    rank.train()
+    (snap,) = of(rank.core.handle(InnerStepDone(TOKENS), rank.clock), TakeSnapshot)
+    with pytest.raises(ValueError, match=r"shape \[4, 3\], this rank holds \[2, 3\]"):
+        rank.core.handle(SnapshotTaken(0, [torch.zeros(4, 3), torch.zeros(3)]), rank.clock)
 
 
 # ---------------------------------------------------------------------- misuse

@@ -349,16 +349,3 @@ def test_hooks_schedulers_and_state_dict_hooks_work() -> None:
         with pytest.raises(NotImplementedError, match="inner optimizer before"):
             opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
         opt.close()
-
-
-# ---------------------------------------------------------------- sharded racks: refused by name
-@pytest.mark.parametrize("mode", ["fsdp", "tp"])
-def test_sharded_rack_is_refused_by_name_before_any_traffic(procs: Procs, tmp_path: Path, mode: str) -> None:
-    """FSDP2 and tensor-parallel parameters are DTensors; until rackmend syncs shards
-    (the "Sharded racks" issue) a rack of them must get a clear error, not a crash deep
-    in the wire encoder or a join that syncs half a tensor."""
-    proc = procs.start([*TORCHRUN, str(Path(__file__).parent / "_sharded_proc.py"), "--mode", mode], mode)
-    finish(proc, procs, mode, timeout=120)
-    out = procs.output(mode)
-    assert out.count("REFUSED:") == 2, out[-3000:]  # both ranks
-    assert "DTensor" in out and "not synchronise sharded tensors" in out

@@ -14,6 +14,9 @@ floating-point buffers such as BatchNorm's running statistics, which the syncer
 merges by weighted mean without an outer step. Integer buffers (BatchNorm's
 ``num_batches_tracked``) and non-persistent buffers (rotary tables, masks) stay
 local: a counter of batches seen is each rack's own, and a constant needs no merge.
+
+A tensor may be a ``DTensor`` (FSDP2, tensor parallel): its spec has the global shape;
+which block of it a rank holds is ``rackmend.core.pieces``'s business.
 """
 
 from __future__ import annotations
@@ -134,28 +137,12 @@ def model_tensors(model: nn.Module, buffers: bool = True) -> list[tuple[str, tor
             module = model.get_submodule(owner) if owner else model
             if b.is_floating_point() and leaf not in module._non_persistent_buffers_set:
                 out.append((canonical_name(n), b, True))
-    sharded = [n for n, t, _ in out if _is_sharded(t)]
-    if sharded:
-        raise ConfigError(
-            f"{len(sharded)} of the model's tensors are sharded across ranks (DTensor, e.g. {sharded[0]!r}: "
-            "FSDP2's fully_shard or tensor parallelism), and rackmend does not synchronise sharded tensors "
-            "yet: each rank would send only its shard as if it were the whole tensor. Use DDP or a single "
-            "process per rack for now (docs/integration.md, 'Sharded models')")
     names = [n for n, _, _ in out]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ConfigError(f"two tensors share the canonical name {dup!r} once wrapper prefixes are removed; "
                           "rename one of the modules")
     return out
-
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (its data is spread over ranks as placements say)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support has no DTensor
-        return False
-    return isinstance(t, DTensor)
 
 
 def fragment_tensors(model: nn.Module, fragments: Sequence["FragmentSpec"], buffers: bool = True

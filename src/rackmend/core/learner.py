@@ -17,18 +17,24 @@ It owns the rules of Decoupled DiLoCo's learner side (``../DESIGN.md`` §1):
 - how: ``overwrite``, ``mix`` or ``keep_local`` (``ApplyValue``), the counters reset
   (``keep_local`` keeps the steps made since the send), a rejoin answer adopted by
   rebasing local progress onto it (``Rebase``);
-- inside a multi-rank learner, which rank owns (sends and receives) a fragment and
-  which changes all ranks must agree on at a step (``ShareChanges``).
+- inside a multi-rank learner, which pieces this rank owns (sends, and receives
+  merged values of: ``RankLayout``, from ``rackmend.core.pieces``'s owner rule), the
+  outer gradient over those pieces only, and which changes all ranks must agree on
+  at a step (``ShareChanges``).
 
 What does not live here: the clock (``now`` is passed in), the link to the syncer,
 collectives between ranks, device copies (the driver takes snapshots, through pinned
 buffers on CUDA), the model and inner optimizer, user callbacks. The driver is
 ``rackmend.learner.RackmendOptimizer``; a simulator can drive the same core.
 
-Pieces: every fragment value here is a list of *pieces*, one tensor each. Today a
-piece is a whole local tensor (``FragmentState.pieces`` describes them, in the
-fragment's order); with sharded parameters a piece becomes this rank's part of a
-global tensor, and nothing but the piece descriptions has to change.
+Pieces: every fragment value here is a list of *pieces*, one local tensor per tensor
+of the fragment: this rank's block of it (``FragmentState.pieces`` says where each
+lies in the global tensor). For a plain rack a block is the whole tensor; for a
+sharded one (FSDP2, tensor parallel, HSDP) it is the rank's local shard, and a
+contribution carries the owned blocks with their places (``Contribution.pieces``).
+Which rank holds which block is read from DTensors by ``rackmend.learner.pieces``;
+the collectives that agree on changes and bring the owners' values to the other
+ranks are the driver's.
 """
 
 from __future__ import annotations
@@ -44,15 +50,15 @@ import torch
 
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
-from rackmend.core.fragments import FragmentSpec, TensorSpec, fragments_due
+from rackmend.core.fragments import FragmentSpec, fragments_due
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import Piece, RankLayout, pieces_problem, plain_layout, wire_pieces
 
 __all__ = [
     "LearnerCore",
     "FragmentState",
     "InFlight",
     "Pieces",
-    "owner_rank",
     "Change",
     "JoinedValue",
     "InnerStepDone",
@@ -78,16 +84,9 @@ Pieces = list[torch.Tensor]
 """One fragment's value on this rank: a tensor per piece, in the fragment's order."""
 
 
-def owner_rank(fragment: int, world_size: int) -> int:
-    """The rank of a multi-rank learner that sends ``fragment`` and receives its merged
-    values (the others get them by broadcast): fragments are striped over ranks, so
-    each rank's share of the uplink is about 1/world of the model."""
-    return fragment % world_size
-
-
 class Change(enum.IntEnum):
     """What happens to a fragment at a step, as the ranks of a learner agree on it
-    (an integer, so that an all-reduce of every rank's vector gives the owner's)."""
+    (an integer, so that it travels in the driver's all-reduce)."""
 
     NONE = 0
     APPLY = 1
@@ -140,8 +139,9 @@ class WaitAnswered:
 
 @dataclass(frozen=True)
 class ChangeAgreed:
-    """Multi-rank: all ranks agreed on ``change`` for ``fragment`` (the all-reduce of
-    ``ShareChanges.changes``); ``update`` is the owner's value, broadcast to every rank."""
+    """Multi-rank: all ranks agreed on ``change`` for ``fragment`` (see ``ShareChanges``);
+    ``update`` is the owners' value as this rank holds it: one local tensor per piece
+    (``FragmentState.pieces``), the blocks other ranks own brought over by the driver."""
 
     fragment: int
     change: Change
@@ -231,13 +231,18 @@ class WaitForVersion:
 
 @dataclass(frozen=True)
 class ShareChanges:
-    """Multi-rank: all-reduce ``changes`` (one ``Change`` per fragment, nonzero only where
-    this rank owns the fragment), then for each fragment with a nonzero sum broadcast the
-    owner's value from ``updates`` and answer ``ChangeAgreed`` on every rank."""
+    """Multi-rank: agree with the other ranks on what changes now, then answer
+    ``ChangeAgreed`` on every rank for each fragment that changes. A fragment changes
+    when every rank owning a piece of it offers a change with the same value (version,
+    epoch, reset): an owner offering ``Change.NONE`` holds it back, so every rank's
+    blocks change at the same step. The owners' values then reach every rank that holds
+    a copy of their blocks. An offer not agreed on stays with the core and is made again
+    at the next ``ApplyDue``."""
 
     changes: tuple[Change, ...]
+    """One per fragment: this rank's offer where it owns pieces of it, else ``NONE``."""
     updates: Mapping[int, Update]
-    """This rank's values of the fragments it owns whose change is nonzero."""
+    """This rank's values (its owned pieces) of the fragments it offers a change for."""
 
 
 @dataclass(frozen=True)
@@ -297,8 +302,13 @@ class FragmentState:
     """Everything this rank knows about one fragment."""
 
     spec: FragmentSpec
-    owned: bool
-    """This rank sends the fragment and receives its values (see ``owner_rank``)."""
+    pieces: tuple[Piece | None, ...]
+    """Where each piece of a value (one per tensor of the fragment) lies in its global
+    tensor: this rank's block of it, the whole tensor on a plain rack; None where the
+    rank holds nothing of the tensor (its piece is an empty tensor)."""
+    owned: tuple[Piece, ...]
+    """The pieces this rank sends and receives merged values of (``RankLayout.owned``);
+    empty where other ranks own all of the fragment's blocks this rank holds."""
     held: Pieces = field(default_factory=list)
     """The global value held (the base of the next outer gradient); empty before join."""
     version: int = 0
@@ -330,19 +340,26 @@ class FragmentState:
         return self.spec.index
 
     @property
-    def pieces(self) -> tuple[TensorSpec, ...]:
-        """What each piece of a value is: today the fragment's whole tensors."""
-        return self.spec.tensors
+    def owns(self) -> bool:
+        """Whether this rank sends (pieces of) the fragment."""
+        return bool(self.owned)
+
+    @property
+    def owned_nbytes(self) -> int:
+        """Bytes of the owned pieces, uncompressed."""
+        return sum(pc.numel * self.spec.tensors[pc.tensor].dtype.itemsize for pc in self.owned)
 
     def counts(self) -> tuple[int, float, float]:
         return self.c_steps, self.c_tokens, self.c_time
 
 
 class LearnerCore:
-    """One learner rank's rules; see the module docstring. ``fragments[p].index`` must be p."""
+    """One learner rank's rules; see the module docstring. ``fragments[p].index`` must be p.
+    ``layout``: this rank's blocks and owned pieces (``rackmend.core.pieces.rank_layout``
+    over every rank's blocks); None for a plain rack (``plain_layout``)."""
 
     def __init__(self, config: RackmendConfig, fragments: Sequence[FragmentSpec], *, learner_id: str,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, layout: RankLayout | None = None) -> None:
         wrong = [(i, f.index) for i, f in enumerate(fragments) if f.index != i]
         if wrong:
             raise ValueError(f"fragment {wrong[0][0]} of the layout says index {wrong[0][1]}; fragments must be "
@@ -355,7 +372,11 @@ class LearnerCore:
         self.world_size = world_size
         self.rule = config.apply_rule()
         """``learner.apply`` with ``auto`` resolved."""
-        self.fragments = [FragmentState(spec, owned=owner_rank(spec.index, world_size) == rank) for spec in fragments]
+        layout = layout if layout is not None else plain_layout(fragments, rank, world_size)
+        _check_layout(fragments, layout, world_size)
+        self.layout = layout
+        self.fragments = [FragmentState(spec, blocks, owned)
+                          for spec, blocks, owned in zip(fragments, layout.blocks, layout.owned)]
         self._specs = list(fragments)
         self.step = 0
         """Inner steps done (t)."""
@@ -402,8 +423,8 @@ class LearnerCore:
         return actions
 
     def owns(self, p: int) -> bool:
-        """Whether this rank sends and receives fragment p."""
-        return self.fragments[p].owned
+        """Whether this rank sends (pieces of) fragment p and receives their values."""
+        return self.fragments[p].owns
 
     def in_flight(self) -> tuple[int, ...]:
         """Fragments sent and not yet answered by an applied value, ascending."""
@@ -469,7 +490,7 @@ class LearnerCore:
         for p in fragments_due(self.step, self._specs, self.config.schedule.sync_every):
             f = self.fragments[p]
             keep = self.rule == "keep_local"
-            if f.owned or keep:
+            if f.owns or keep:
                 self._snapshots_asked.add(p)
                 actions.append(TakeSnapshot(p, keep=keep))
             else:
@@ -499,13 +520,17 @@ class LearnerCore:
         f = self.fragments[p]
         if len(event.pieces) != len(f.pieces):
             raise ValueError(f"the snapshot of fragment {p} has {len(event.pieces)} pieces, the fragment {len(f.pieces)}")
+        for t, block, spec in zip(event.pieces, f.pieces, f.spec.tensors):
+            if (tuple(t.shape) != block.shape) if block is not None else t.numel():
+                raise ValueError(f"the snapshot of fragment {p}, {spec.name}: shape {list(t.shape)}, this rank "
+                                 f"holds {list(block.shape) if block is not None else 'nothing'} of it")
         keep = event.pieces if self.rule == "keep_local" else None
-        if not f.owned:
+        if not f.owns:
             f.in_flight = InFlight(self.step, keep, f.counts())
             return
-        delta = tuple(h - s for h, s in zip(f.held, event.pieces))
+        delta = tuple(f.held[pc.tensor] - event.pieces[pc.tensor] for pc in f.owned)
         encoded = None
-        nbytes = f.spec.nbytes
+        nbytes = f.owned_nbytes
         if self.uplink is not None:
             pairs = [self.uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
             encoded = tuple(enc for enc, _ in pairs)
@@ -527,6 +552,7 @@ class LearnerCore:
             rank=self.rank,
             rank_steps=len(self.rank_times),
             rank_step_time=statistics.median(self.rank_times) if self.rank_times else 0.0,
+            pieces=wire_pieces(f.spec, f.owned),
         )
         self.rank_times = []
         f.in_flight = InFlight(self.step, keep, f.counts())
@@ -552,7 +578,7 @@ class LearnerCore:
     def _share_due(self, now: float, actions: list[LearnerAction]) -> None:
         changes = [Change.NONE] * len(self.fragments)
         for f in self.fragments:
-            if not f.owned:
+            if not f.owns:
                 continue
             if f.arrived is not None and f.arrived.reset:
                 changes[f.index] = Change.ADOPT
@@ -564,11 +590,9 @@ class LearnerCore:
                 return
             if f.arrived is not None:
                 changes[f.index] = Change.APPLY
-        updates: dict[int, Update] = {}
-        for p, change in enumerate(changes):
-            if change:
-                updates[p] = self.fragments[p].arrived  # type: ignore[assignment]
-                self.fragments[p].arrived = None
+        # ``arrived`` stays until the ranks agree (ChangeAgreed): another owner of the
+        # fragment's blocks may not be ready at this step.
+        updates = {f.index: f.arrived for f in self.fragments if changes[f.index] and f.arrived is not None}
         actions.append(ShareChanges(tuple(changes), updates))
 
     def _due_now(self, f: FragmentState) -> bool:
@@ -598,6 +622,7 @@ class LearnerCore:
             if f.in_flight is None:
                 raise RuntimeError(f"rank {self.rank}: the ranks agreed to apply fragment {f.index}, which this rank "
                                    "has not sent; were the ranks' steps out of step?")
+            f.arrived = None  # what this rank offered (an owner) is what was agreed
             self._apply(f, event.update, f.in_flight, actions)
         else:
             raise ValueError(f"ChangeAgreed for fragment {f.index} with {event.change!r}; only nonzero changes are agreed")
@@ -657,3 +682,23 @@ class LearnerCore:
         if not 0 <= p < len(self.fragments):
             raise ValueError(f"fragment {p} is not in this layout (0..{len(self.fragments) - 1})")
         return self.fragments[p]
+
+
+def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_size: int) -> None:
+    """Raise ValueError naming what is wrong when ``layout`` cannot be this rank's part of
+    ``fragments``: one entry per fragment and tensor, owned pieces well formed and each
+    the rank's own block of its tensor."""
+    if len(layout.blocks) != len(fragments) or any(len(b) != len(f.tensors) for f, b in zip(fragments, layout.blocks)):
+        raise ValueError(f"the rank layout has blocks for {[len(b) for b in layout.blocks]} tensors per fragment, the "
+                         f"fragments have {[len(f.tensors) for f in fragments]}; build it with rank_layout over "
+                         "these fragments")
+    problem = pieces_problem(fragments, layout.owned)
+    if problem:
+        raise ValueError(f"the rank layout's owned pieces: {problem}")
+    for f, blocks, owned in zip(fragments, layout.blocks, layout.owned):
+        foreign = [pc for pc in owned if blocks[pc.tensor] != pc]
+        if foreign:
+            raise ValueError(f"fragment {f.index}: the rank layout owns {foreign[0]}, which is not this rank's block "
+                             f"of that tensor ({blocks[foreign[0].tensor]})")
+    if layout.sharded and world_size < 2:
+        raise ValueError("a sharded rank layout needs world_size >= 2 (one process holds every tensor whole)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rackmend.codecs.base import Encoded
+from rackmend.core.pieces import Piece
 
 __all__ = ["Contribution", "Update"]
 
@@ -60,6 +61,11 @@ class Contribution:
     disjoint windows, unlike ``step_time`` (whose windows of successive fragments
     overlap), so the fail-slow detector sees each step once and can name the rank; a
     median, so a single stalled step does not read as a slow window."""
+    pieces: tuple[Piece, ...] | None = None
+    """One rank's share of a sharded rack's contribution: where each of ``tensors`` lies
+    in its global tensor (``tensors`` then hold those blocks). None: ``tensors`` are the
+    whole fragment. The syncer core only ever sees whole fragments: the service
+    assembles a learner's pieces first."""
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ each inner step it feeds rackmend's sans-I/O learner core (``rackmend.core.learn
 which owns the rules: when a fragment is due, the outer gradient, the counters,
 when and how a merged value applies, what deterministic mode waits for) and carries
 out the core's actions: host snapshots of fragments (pinned buffers on a side
-stream on CUDA), sends and waits on the link, broadcasts between the ranks of a
-multi-rank learner, writes into the model's parameters, merge-gain probes and user
-callbacks. It owns the model, the inner optimizer, the link and the clock. It
-blocks only when joining and, in deterministic mode, at t_send + tau.
+stream on CUDA), sends and waits on the link, the collectives between the ranks of
+a multi-rank learner (``rackmend.learner.pieces``: agreeing on what changes, bringing
+received values to every rank, sharded DTensor parameters included), writes into
+the model's parameters, merge-gain probes and user callbacks. It owns the model,
+the inner optimizer, the link and the clock. It blocks only when joining and, in
+deterministic mode, at t_send + tau.
 
 It honours the ``torch.optim.Optimizer`` contract: step and state_dict hooks,
 LR schedulers (``param_groups`` are the inner optimizer's), ``zero_grad``.
@@ -53,10 +55,10 @@ from rackmend.core.learner import (
     TrainingResumed,
     WaitAnswered,
     WaitForVersion,
-    owner_rank,
 )
 from rackmend.core.messages import Update
 from rackmend.core.settings import LearnerSettings
+from rackmend.learner.pieces import RackPieces
 from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
@@ -129,14 +131,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.count_tokens = count_tokens
         self.probe_loss = probe_loss
         self._warned_tokens = False
-        # Inside a multi-rank learner (torchrun), one rank owns each fragment (core.learner.owner_rank):
-        # only it sends them and talks to the syncer about them; merged values reach the
-        # other ranks by broadcast, at the same step on every rank.
-        self._group = process_group
+        # Inside a multi-rank learner (torchrun), one rank owns each block of each fragment
+        # (core.pieces.owner): only it sends it and talks to the syncer about it; merged
+        # values reach the ranks holding copies by broadcast, at the same step on every rank.
         dist = torch.distributed
-        self._dist = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
-        self.world_size = dist.get_world_size(process_group) if self._dist else 1
-        self.rank = dist.get_rank(process_group) if self._dist else 0
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+        self.world_size = dist.get_world_size(process_group) if several else 1
+        self.rank = dist.get_rank(process_group) if several else 0
         link_ranks = (getattr(link, "rank", 0), getattr(link, "world_size", 1))
         if link_ranks != (self.rank, self.world_size):
             # A link that disagrees would carry only part of the fragments (each rank of
@@ -149,11 +150,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
         sch = config.schedule
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
                                                      buffers=sch.sync_buffers)
-        self._params: list[list[torch.Tensor]] = fragment_tensors(model, self.fragments)
-        """Per fragment, the model's tensors (parameters and synced buffers) in order: the
+        self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)
+        """This rank's blocks of each fragment and how copies reach the other ranks."""
+        self._params: list[list[torch.Tensor]] = self._pieces.local
+        """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
+        DTensor, this rank's local shard (a view: writing it writes the parameter). The
         pieces the core's values and actions are about."""
         self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
-                                world_size=self.world_size)
+                                world_size=self.world_size, layout=self._pieces.layout)
         """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
         self._clock: Callable[[], float] = time.perf_counter
         self._rebased: list[tuple[torch.Tensor, int]] | None = None
@@ -419,58 +423,26 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _join(self) -> None:
         initial = [[t.detach() for t in params] for params in self._params]
+        layout = self.core.layout
+        sharded = {"pieces": layout.owned} if layout.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
-                                 settings=LearnerSettings.from_config(self.config))
+                                 settings=LearnerSettings.from_config(self.config), **sharded)
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:
             raise TransportError(f"join: the syncer sent no value for fragments {missing}")
         for p in range(len(self.fragments)):
-            upd = self._broadcast(p, got.get(p) if self.owns(p) else None)
+            upd = self._pieces.spread(p, got.get(p))  # the owners' values on every rank that holds them
             self._run(self.core.handle(JoinedValue(upd), self._clock()))
-
-    def _broadcast(self, p: int, upd: Update | None) -> Update:
-        """The owner's value of fragment p on every rank (a no-op with one rank)."""
-        if not self._dist:
-            assert upd is not None
-            return upd
-        dist = torch.distributed
-        owner = owner_rank(p, self.world_size)
-        src = dist.get_global_rank(self._group, owner) if self._group is not None else owner
-        spec = self.fragments[p]
-        if self.owns(p):
-            assert upd is not None
-            version = torch.tensor([upd.version, upd.epoch], dtype=torch.int64)
-            tensors = [t.clone() for t in upd.tensors]
-        else:
-            version = torch.zeros(2, dtype=torch.int64)
-            tensors = [torch.empty(t.shape, dtype=t.dtype) for t in spec.tensors]
-        backend_device = self._params[p][0].device if dist.get_backend(self._group) == "nccl" else None
-        for t in [version, *tensors]:
-            buf = t.to(backend_device) if backend_device is not None else t
-            dist.broadcast(buf, src, group=self._group)
-            if buf is not t:
-                t.copy_(buf.cpu())
-        return Update(p, int(version[0]), tuple(tensors), reset=upd.reset if upd is not None else False,
-                      epoch=int(version[1]))
 
     def _share(self, action: ShareChanges) -> None:
         """One small all-reduce per step tells every rank which fragments change now;
-        owners then broadcast their values."""
-        status = torch.tensor([int(c) for c in action.changes], dtype=torch.int64)
-        dist = torch.distributed
-        if dist.get_backend(self._group) == "nccl":
-            dev = self._params[0][0].device
-            gathered = status.to(dev)
-            dist.all_reduce(gathered, group=self._group)
-            status = gathered.cpu()
-        else:
-            dist.all_reduce(status, group=self._group)
-        for p, code in enumerate(status.tolist()):
-            if code == Change.NONE:
+        their owners' values then reach every rank."""
+        for p, (change, version, epoch) in enumerate(self._pieces.agree(action.changes, action.updates)):
+            if change == Change.NONE:
                 continue
-            upd = self._broadcast(p, action.updates.get(p))
-            self._run(self.core.handle(ChangeAgreed(p, Change(code), upd), self._clock()))
+            upd = self._pieces.spread(p, action.updates.get(p), (version, epoch, change == Change.ADOPT))
+            self._run(self.core.handle(ChangeAgreed(p, change, upd), self._clock()))
 
     def _wait(self, action: WaitForVersion) -> Update:
         t0 = self._clock()

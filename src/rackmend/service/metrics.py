@@ -117,9 +117,10 @@ class SyncerMetrics:
                             "newer send of the same learner, already received, holds their work (a late "
                             "arrival or a repeat).", registry=r)
         self.rejected = Counter("rackmend_contributions_rejected", "Contributions refused by the syncer "
-                                "core, by reason (see RejectCode), or dropped at merge time (merge_dropped).",
+                                "core, by reason (see RejectCode), dropped at merge time (merge_dropped), or "
+                                "left incomplete by a sharded learner's ranks (incomplete).",
                                 ["reason"], registry=r)
-        for reason in (*REJECT_CODES, "merge_dropped"):
+        for reason in (*REJECT_CODES, "merge_dropped", "incomplete"):
             self.rejected.labels(reason)  # present at 0, so rate() sees the first one
         self.refused = Counter("rackmend_messages_rejected", "Messages and connections refused before "
                                "reaching the core, by reason.", ["reason"], registry=r)
@@ -171,6 +172,8 @@ class SyncerMetrics:
             self.rejected.labels(record["code"]).inc()
         elif event == "merge_dropped":
             self.rejected.labels("merge_dropped").inc(len(record["dropped"]))
+        elif event == "incomplete":
+            self.rejected.labels("incomplete").inc()
         elif event == "superseded":
             self.late.inc()
 

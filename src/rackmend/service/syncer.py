@@ -34,7 +34,9 @@ import torch
 import zmq
 
 from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
+from rackmend.core.assembly import Assembler, assemble
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
+from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
 from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.syncer import (
@@ -224,9 +226,28 @@ class _Peer:
     rank: int
     world: int
     last_seen: float
+    pieces: RankPieces
+    """Per fragment, the pieces this rank sends and receives."""
+    cuts: list[tuple[Piece, ...] | None]
+    """Per fragment, the pieces its messages carry; None where it owns the fragment whole
+    (or nothing of it): those travel as for a plain rack, deltas included."""
 
     def owns(self, fragment: int) -> bool:
-        return fragment % self.world == self.rank
+        return bool(self.pieces[fragment])
+
+
+def _rank_pieces(layout: list[FragmentSpec], hello: wire.Hello) -> RankPieces:
+    """What a rank owns: its declared pieces, or a plain rank's whole fragments."""
+    return hello.pieces if hello.pieces is not None else whole_pieces(layout, hello.rank, hello.world)
+
+
+@dataclass
+class _Gated:
+    """A hello of a sharded learner's rank, held until every rank of it has said hello."""
+
+    msg: wire.Message
+    hello: wire.Hello
+    last_seen: float
 
 
 @dataclass
@@ -261,14 +282,18 @@ class _Pending:
     """Layout offered by the first learner while its initial values are on the way."""
 
     layout: list[FragmentSpec]
-    seeder: bytes
-    """The connection asked for the initial values; only its ``init`` messages count
-    (values of two learners' different initialisations must never be mixed)."""
+    seeders: dict[bytes, RankPieces | None]
+    """The connections asked for the initial values, with the pieces each owns (None: a
+    plain rank, which sends every fragment whole); only their ``init`` messages count
+    (values of two learners' different initialisations must never be mixed). One
+    connection for a plain learner, every rank's for a sharded one."""
     seeder_id: str
     settings: LearnerSettings
     asked_at: float
     """When the seeder was asked, or last delivered a fragment."""
     values: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    parts: dict[int, dict[bytes, tuple[tuple[Piece, ...], tuple[Any, ...]]]] = field(default_factory=dict)
+    """Per fragment, the pieces of a sharded seeder received so far, by connection."""
     waiting: list[tuple[bytes, Any]] = field(default_factory=list)
 
 
@@ -291,6 +316,11 @@ class SyncerService:
         self.rejected_messages = 0
         self.merges = 0
         self._pending: _Pending | None = None
+        self._gate: dict[str, dict[bytes, _Gated]] = {}
+        """Per sharded learner, hellos of ranks held until all its ranks have said hello."""
+        self._learner_pieces: dict[str, dict[int, RankPieces]] = {}
+        """Per sharded learner admitted, what each rank owns (kept while ranks come and go)."""
+        self._assembler: Assembler | None = None
         self._first: tuple[str, LearnerSettings] | None = None
         """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
         self._uplink_noted: set[str] = set()
@@ -387,6 +417,7 @@ class SyncerService:
                         self._on_message(frames)
                 self._check_silence()
                 self._check_init()
+                self._expire_pieces()
                 self._summarise_suppressed(self._limiter.expired(self.clock()))
                 if self.core is not None:
                     self._drive(Tick())
@@ -403,7 +434,7 @@ class SyncerService:
         ident, body = frames[0].bytes, frames[1:]
         msg: wire.Message | None = None
         try:
-            joined = ident in self.peers or (self._pending is not None and ident == self._pending.seeder)
+            joined = ident in self.peers or (self._pending is not None and ident in self._pending.seeders)
             limit = self._message_limit()
             if not joined:
                 total = sum(len(f) for f in body)
@@ -482,6 +513,10 @@ class SyncerService:
         peer = self.peers.get(ident)
         if peer is None and self._pending is not None and any(i == ident for i, _ in self._pending.waiting):
             return  # its hello is answered once the first learner's initial values are in
+        gated = self._gate.get(lid, {}).get(ident)
+        if peer is None and gated is not None:
+            gated.last_seen = self.clock()
+            return  # its hello is answered once every rank of its learner has said hello
         if peer is None and msg.type == "ack":
             return  # a receipt from a peer dropped meanwhile: its next heartbeat gets it back
         if peer is None or peer.learner_id != lid or peer.rank != rank:
@@ -508,6 +543,7 @@ class SyncerService:
             self._send(ident, wire.encode({"type": "bye"}))  # lets the learner exit knowing it was heard
             if not self._ranks_of(lid):
                 self._stats[lid].state = "left"
+                self._forget_pieces(lid, "the learner left")
                 self._drive(LearnerLeft(lid, "leave"))
             return
         if msg.type == "fetch":
@@ -522,6 +558,11 @@ class SyncerService:
         assert msg.type == "contrib" and self.core is not None
         contribution = wire.parse_contribution(msg, self.core.fragments)
         self._send(ident, wire.ack_frames(contribution.fragment), droppable=True)  # received, whatever the core decides
+        if contribution.pieces is not None:
+            whole = self._assemble(ident, peer, contribution)
+            if whole is None:
+                return
+            contribution = whole
         stats = self._stats[lid]
         p = contribution.fragment
         stats.contributions += 1
@@ -530,7 +571,9 @@ class SyncerService:
         self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
         self._drive(ContributionArrived(contribution))
 
-    def _hello(self, ident: bytes, msg: wire.Message) -> None:
+    def _hello(self, ident: bytes, msg: wire.Message, admitted: bool = False) -> None:
+        """``admitted``: a sharded learner's rank whose ranks have all said hello and
+        cover every tensor (``_through_gate``)."""
         if not self._may_take(ident, msg.header["learner"], msg.header["rank"]):
             return  # before parsing: a storm of hellos costs a dictionary scan each
         hello = wire.parse_hello(msg)
@@ -549,12 +592,21 @@ class SyncerService:
         now = self.clock()
         stats = self._stats.setdefault(lid, _LearnerStats(state="joining", first_seen=now, last_seen=now))
         self._ident_learner[ident] = lid
+        if hello.pieces is not None and not admitted:
+            for other, gated in self._through_gate(ident, msg, hello):
+                self._hello(other, gated, admitted=True)
+            return
         if self.core is None:
-            if self._pending is None:
-                self._pending = _Pending(layout, ident, lid, hello.settings, self.clock())
+            pend = self._pending
+            if pend is None:
+                pend = self._pending = _Pending(layout, {ident: hello.pieces}, lid, hello.settings, self.clock())
                 self._event("init_request", learner=lid, fragments=len(layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
-            self._pending.waiting = [(i, m) for i, m in self._pending.waiting if i != ident] + [(ident, msg)]
+            elif pend.seeder_id == lid and hello.pieces is not None and ident not in pend.seeders:
+                # A sharded seeder: each of its ranks sends the pieces it owns.
+                pend.seeders[ident] = hello.pieces
+                self._send(ident, wire.encode({"type": "init_request"}))
+            pend.waiting = [(i, m) for i, m in pend.waiting if i != ident] + [(ident, msg)]
             return
         if self._first is None:  # resumed from a checkpoint that predates recorded settings
             self._first = (lid, hello.settings)
@@ -563,7 +615,9 @@ class SyncerService:
             del self.peers[holder[0]]
             self._event("takeover", learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
                         silent_s=round(self.clock() - holder[1].last_seen, 3))
-        self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock())
+        pieces = _rank_pieces(self.core.fragments, hello)
+        cuts = [None if not ps or is_whole(f, ps) else ps for f, ps in zip(self.core.fragments, pieces)]
+        self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock(), pieces, cuts)
         stats.state = "connected"
         self.metrics.joined(lid)
         if ident in self._outboxes:
@@ -573,7 +627,85 @@ class SyncerService:
                 self._record(action.record)
         for upd in self.core.current:
             if peer.owns(upd.fragment):
-                self._send_update(ident, upd, wire.update_frames(upd, reset=True), reset=True)
+                self._send_update(ident, upd, self._update_frames(peer, upd, reset=True), reset=True)
+
+    def _through_gate(self, ident: bytes, msg: wire.Message, hello: wire.Hello) -> list[tuple[bytes, wire.Message]]:
+        """Hold a sharded learner's hellos until every one of its ranks has said hello
+        (or is connected already), then check that the pieces they own cover every
+        element of every tensor exactly once. Returns the hellos to admit now: none while
+        ranks are missing or when the cover is wrong (then every rank of the learner is
+        refused, ``settings_refused`` with setting ``pieces``)."""
+        lid, now = hello.learner_id, self.clock()
+        gate = self._gate.setdefault(lid, {})
+        for other in [i for i, g in gate.items() if i != ident and g.hello.rank == hello.rank]:
+            del gate[other]  # the rank said hello again from another connection: the newer one counts
+        gate[ident] = _Gated(msg, hello, now)
+        ranks: dict[int, RankPieces] = {g.hello.rank: _rank_pieces(hello.layout, g.hello) for g in gate.values()}
+        connected = {p.rank: p.pieces for p in self.peers.values() if p.learner_id == lid and p.rank not in ranks}
+        ranks.update(connected)
+        if len(ranks) < hello.world:
+            self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(ranks), world=hello.world)
+            return []
+        problem = cover_problem(hello.layout, [ranks[r] for r in range(hello.world)])
+        if problem is not None:
+            reason = (f"learner {lid}'s ranks do not share its tensors out exactly: {problem}. Each rank must "
+                      "declare the blocks it holds of each DTensor (rackmend.learner.pieces does this from the "
+                      "placements); are all ranks running the same model and sharding?")
+            self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting="pieces",
+                             learner_value=None, syncer_value=None, reason=reason)
+            log.warning("refused learner %s: %s", lid, reason)
+            idents = list(gate) + [i for i, p in self.peers.items() if p.learner_id == lid]
+            del self._gate[lid]
+            for i in idents:
+                self.peers.pop(i, None)
+                self._reply_error(i, "fatal", reason)
+            if connected and self.core is not None:
+                self._drive(LearnerLeft(lid, "refused"))
+            return []
+        del self._gate[lid]
+        self._learner_pieces[lid] = ranks
+        return [(i, g.msg) for i, g in sorted(gate.items(), key=lambda kv: kv[1].hello.rank)]
+
+    def _update_frames(self, peer: _Peer, upd: Any, reset: bool = False, full: bool = False) -> list[Any]:
+        """An update as ``peer`` receives it: its pieces only, or the whole fragment."""
+        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment])
+
+    def _assemble(self, ident: bytes, peer: _Peer, c: Any) -> Any:
+        """A rank's pieces of a contribution; the learner's whole contribution once every
+        rank owning a piece of the fragment has sent its piece of that step, else None."""
+        assert self.core is not None
+        p = c.fragment
+        if c.pieces != peer.pieces[p]:
+            self.rejected_messages += 1
+            reason = (f"learner {c.learner_id} rank {c.rank} sent pieces {list(c.pieces)[:4]} of fragment {p}, "
+                      f"but declared {list(peer.pieces[p])[:4]} at hello")
+            self._peer_event(ident, "bad_message", peer=ident.hex(), reason=reason)
+            self._reply_error(ident, "rejected", reason)
+            return None
+        if self._assembler is None:
+            self._assembler = Assembler(self.core.fragments)
+        owners = self._learner_pieces.get(c.learner_id, {})
+        expected = frozenset(r for r, ps in owners.items() if ps[p])
+        whole, records = self._assembler.add(c, expected, self.clock())
+        self._assembly_records(records)
+        return whole
+
+    def _assembly_records(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            self.metrics.record(record)  # an incomplete contribution counts as rejected
+            self._record(record)
+
+    def _expire_pieces(self) -> None:
+        """Drop partial contributions that waited too long for a rank, and hellos of
+        ranks that went silent at the gate."""
+        now, bound = self.clock(), self.service.heartbeat_timeout
+        if self._assembler is not None:
+            self._assembly_records(self._assembler.expire(now, bound))
+        for lid, gate in list(self._gate.items()):
+            for ident in [i for i, g in gate.items() if now - g.last_seen > bound]:
+                del gate[ident]
+            if not gate:
+                del self._gate[lid]
 
     def _may_take(self, ident: bytes, lid: str, rank: int) -> bool:
         """Whether a hello from ``ident`` may claim ``lid``'s rank ``rank``: nobody else
@@ -617,6 +749,11 @@ class SyncerService:
                 "how they are split (ScheduleConfig sync_every, num_fragments, packing, sync_buffers) differ from "
                 "the model this syncer trains. Start it from the same model definition and config, or start a "
                 "fresh syncer (without --resume) for a new model"))
+        problem = pieces_problem(hello.layout, hello.pieces) if mismatch is None and hello.pieces is not None else None
+        if problem is not None:
+            mismatch = Mismatch("pieces", None, None, (
+                f"learner {lid} rank {hello.rank} declares pieces that cannot be: {problem}. Each rank declares the "
+                "blocks it owns of each tensor, inside the tensor's global shape"))
         if mismatch is not None:
             self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
                         learner_value=mismatch.learner_value, syncer_value=mismatch.other_value,
@@ -639,7 +776,7 @@ class SyncerService:
         pend = self._pending
         if pend is None or self.clock() - pend.asked_at <= self.service.init_timeout:
             return
-        others = [(i, m) for i, m in pend.waiting if i != pend.seeder]
+        others = [(i, m) for i, m in pend.waiting if i not in pend.seeders]
         nxt = others[0][1].header["learner"] if others else None
         self._event("init_timeout", learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
                     received=len(pend.values), next=nxt)
@@ -649,11 +786,14 @@ class SyncerService:
         if not others:
             self._pending = None
             return
-        ident, msg = others[0]
-        hello = wire.parse_hello(msg)
-        self._pending = _Pending(pend.layout, ident, hello.learner_id, hello.settings, self.clock(), waiting=others)
+        hello = wire.parse_hello(others[0][1])
+        # A plain learner's first connection seeds alone; a sharded learner's ranks all do.
+        seeders = {i: h.pieces for i, h in ((i, wire.parse_hello(m)) for i, m in others)
+                   if h.learner_id == hello.learner_id and (i == others[0][0] or h.pieces is not None)}
+        self._pending = _Pending(pend.layout, seeders, hello.learner_id, hello.settings, self.clock(), waiting=others)
         self._event("init_request", learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
-        self._send(ident, wire.encode({"type": "init_request"}))
+        for ident in seeders:
+            self._send(ident, wire.encode({"type": "init_request"}))
 
     def _fetch(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
         """A learner lost a delta update: answer with the full current value (codec 0,
@@ -666,17 +806,27 @@ class SyncerService:
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.current[p]
         self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=p, version=upd.version)
-        self._send_update(ident, upd, wire.update_frames(upd, full=True))
+        self._send_update(ident, upd, self._update_frames(peer, upd, full=True))
 
     def _init(self, ident: bytes, msg: wire.Message) -> None:
         pend = self._pending
-        if self.core is not None or pend is None or ident != pend.seeder:
+        if self.core is not None or pend is None or ident not in pend.seeders:
             return  # late, unasked-for, or from a seeder replaced after init_timeout
         p = msg.header.get("fragment")
         if not isinstance(p, int) or not 0 <= p < len(pend.layout):
             raise wire.WireError(f"init for unknown fragment {p!r}")
-        tensors = wire.parse_tensors(msg, pend.layout[p])
-        pend.values[p] = tuple(t.clone() for t in tensors)
+        owned = pend.seeders[ident]
+        if owned is None:
+            tensors = wire.parse_tensors(msg, pend.layout[p])
+            pend.values[p] = tuple(t.clone() for t in tensors)
+        else:
+            pieces, tensors, encoded = wire.parse_pieces(msg, pend.layout, p)
+            if (pieces if pieces is not None else whole_pieces(pend.layout, 0, 1)[p]) != owned[p] or encoded:
+                raise wire.WireError(f"init of fragment {p} carries other pieces than the rank declared at hello")
+            parts = pend.parts.setdefault(p, {})
+            parts[ident] = (owned[p], tuple(t.clone() for t in tensors))
+            if set(parts) >= {i for i, ps in pend.seeders.items() if ps is not None and ps[p]}:
+                pend.values[p] = assemble(pend.layout[p], list(parts.values()))
         pend.asked_at = self.clock()  # progress: a slow upload of a large model is not a dead seeder
         if len(pend.values) == len(pend.layout):
             try:
@@ -722,11 +872,14 @@ class SyncerService:
             self.metrics.left(event.learner_id)
         for action in self.core.handle(event, t0):
             if isinstance(action, SendUpdate):
-                frames = None
+                frames = None  # shared by every peer that receives the whole fragment
                 for ident, peer in self.peers.items():
                     if peer.learner_id in action.to and peer.owns(action.update.fragment):
-                        frames = frames or wire.update_frames(action.update, reset=action.reset)
-                        self._send_update(ident, action.update, frames, reset=action.reset)
+                        if peer.cuts[action.update.fragment] is not None:
+                            mine = self._update_frames(peer, action.update, reset=action.reset)
+                        else:
+                            mine = frames = frames or wire.update_frames(action.update, reset=action.reset)
+                        self._send_update(ident, action.update, mine, reset=action.reset)
             elif isinstance(action, LogRecord):
                 record = action.record
                 self.metrics.record(record)  # before the log's rate limit: metrics count every one
@@ -761,6 +914,10 @@ class SyncerService:
             if self.merges // self.service.checkpoint_every > before:
                 self.checkpoint()
 
+    def _forget_pieces(self, lid: str, reason: str) -> None:
+        if self._assembler is not None:
+            self._assembly_records(self._assembler.forget(lid, self.clock(), reason))
+
     def _ranks_of(self, lid: str) -> list[bytes]:
         return [i for i, p in self.peers.items() if p.learner_id == lid]
 
@@ -775,6 +932,7 @@ class SyncerService:
                     if peer.learner_id in self._stats:
                         self._stats[peer.learner_id].state = "silent"
                     if self.core is not None:
+                        self._forget_pieces(peer.learner_id, "every rank of the learner went silent")
                         self._drive(LearnerLeft(peer.learner_id, "silent"))
 
     def _send(self, ident: bytes, frames: list[Any], *, droppable: bool = False) -> None:
@@ -820,7 +978,9 @@ class SyncerService:
         waiting = box.tag(upd.fragment)
         if waiting is not None:
             reset = reset or waiting == "reset"
-            frames = wire.update_frames(upd, reset=reset, full=True)
+            peer = self.peers.get(ident)
+            frames = (self._update_frames(peer, upd, reset=reset, full=True) if peer is not None
+                      else wire.update_frames(upd, reset=reset, full=True))
             self.superseded_updates += 1
         box.add_latest(upd.fragment, frames, "reset" if reset else "")
         self._flush(ident)
@@ -1004,7 +1164,7 @@ class SyncerService:
             log.warning("auth denied: %s", record["reason"])
         elif record["event"] in WARNING_EVENTS:
             log.warning("%s", record.get("reason", record))
-        elif record["event"] in ("identity_refused", "takeover"):
+        elif record["event"] in ("identity_refused", "takeover", "incomplete", "piece_dropped"):
             log.warning("%s", record.get("reason", record))
         elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join", "suppressed"):
             log.info("%s", record)

@@ -15,6 +15,7 @@ import torch
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import RankPieces
 from rackmend.core.settings import LearnerSettings
 
 __all__ = ["LearnerLink", "TransportError", "QueueLink"]
@@ -36,12 +37,16 @@ class LearnerLink(Protocol):
         timeout: float,
         *,
         settings: LearnerSettings,
+        pieces: RankPieces | None = None,
     ) -> list[Update]:
         """Announce ``learner_id`` with its parameter layout; return the current value
-        of every fragment. ``initial`` (the learner's own values) seeds a syncer that
-        has no state yet. ``settings`` are checked against the syncer's and the other
-        learners' (``rackmend.core.settings``); a mismatch raises ``TransportError``
-        naming the setting."""
+        of every fragment this rank owns. ``initial`` (the learner's own values) seeds a
+        syncer that has no state yet. ``settings`` are checked against the syncer's and
+        the other learners' (``rackmend.core.settings``); a mismatch raises
+        ``TransportError`` naming the setting. ``pieces``: for a rank of a sharded rack,
+        the blocks it owns per fragment (``initial`` then holds its local blocks); the
+        values returned, and every later update, carry those pieces only. Links that
+        cannot carry pieces raise ``TransportError``."""
         ...
 
     def send(self, contribution: Contribution) -> None:

@@ -22,6 +22,7 @@ from rackmend.config import RackmendConfig
 from rackmend.core.failslow import AdviseLearner, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import RankPieces
 from rackmend.core.settings import LearnerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
@@ -181,7 +182,10 @@ class InProcessLink(QueueLink):
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
-             settings: LearnerSettings) -> list[Update]:
+             settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Update]:
+        if pieces is not None:
+            raise TransportError(f"join of {learner_id}: a sharded rack (DTensor parameters) needs the network "
+                                 "syncer (ZmqLink to `rackmend syncer`); the in-process carrier serves whole tensors")
         # The same rules as the network syncer, so a script moved to ZmqLink meets no new refusal.
         # H and P need no check here: the hub's layout comes from its own config's H and P.
         mismatch = syncer_mismatch(learner_id, settings, self._hub.core.config)

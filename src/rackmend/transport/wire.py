@@ -26,6 +26,7 @@ from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire,
 from rackmend.core.fragments import dtype_name
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
 from rackmend.core.settings import LearnerSettings
 
 __all__ = [
@@ -52,6 +53,8 @@ __all__ = [
     "parse_contribution",
     "parse_tensors",
     "parse_encoded",
+    "parse_pieces",
+    "message_pieces",
     "status_request_frames",
     "parse_status_request",
     "status_reply_frames",
@@ -60,14 +63,16 @@ __all__ = [
     "layout_from_wire",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """2 added acknowledgements (``ack``), which senders wait for before the next data
 message of a fragment: a version-1 peer would never send them, so the versions do not mix.
 3 added ``session`` and ``seq`` to contributions (replays are refused); a version-2
 learner would send none. 4 added the syncer's ``epoch`` to updates and ``base_epoch`` to
 contributions (a resumed syncer reissues version numbers; a version-3 learner would
 apply a reissued version as if it were the one it held), and the learner's ``apply``
-rule to the hello's settings (the grace window depends on it)."""
+rule to the hello's settings (the grace window depends on it). 5 added ``pieces`` (sharded
+racks: a rank's blocks of each tensor) to hellos, contributions, inits and updates; a
+version-4 syncer would read a rank's pieces as whole tensors."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
@@ -147,8 +152,15 @@ def _payload(tensors: Sequence[torch.Tensor], encoded: Sequence[Encoded] | None)
     return {"codec": codec_id, "tensors": meta}, [f for e in encoded for f in e.frames]
 
 
+def _pieces_field(pieces: Sequence[Piece] | None) -> dict[str, Any]:
+    """``pieces`` entries aligned with ``tensors`` when a message carries blocks (a rank
+    of a sharded rack); nothing when it carries whole tensors."""
+    return {} if pieces is None else {"pieces": pieces_to_wire(pieces)}
+
+
 def contribution_frames(c: Contribution, rank: int) -> list[Any]:
     fields, frames = _payload(c.tensors, c.encoded)
+    fields.update(_pieces_field(c.pieces))
     return encode({
         "type": "contrib", "learner": c.learner_id, "rank": rank, "fragment": c.fragment,
         "base_version": c.base_version, "step": c.step, "c_steps": c.c_steps, "c_tokens": float(c.c_tokens),
@@ -159,10 +171,18 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
     }, frames)
 
 
-def update_frames(u: Update, reset: bool = False, *, full: bool = False) -> list[Any]:
+def update_frames(u: Update, reset: bool = False, *, full: bool = False,
+                  pieces: Sequence[Piece] | None = None) -> list[Any]:
     """``reset``: an answer to a (re)join, adopted whatever version the learner holds.
     An update carrying an encoded ``delta`` ships it (``delta: true``, ``base_version``
-    = version - 1) unless ``reset`` or ``full`` asks for the full-precision value."""
+    = version - 1) unless ``reset`` or ``full`` asks for the full-precision value.
+    ``pieces``: only these blocks of the value, full precision (for a rank of a
+    sharded rack: a delta is encoded over whole tensors and cannot be cut)."""
+    if pieces is not None:
+        blocks = cut(u.tensors, pieces)
+        return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
+                       "codec": CODEC_NONE, "reset": reset, "tensors": _tensor_meta(blocks),
+                       **_pieces_field(pieces)}, blocks)
     if u.delta is not None and not reset and not full:
         fields, frames = _payload(u.tensors, u.delta)
         return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
@@ -214,16 +234,19 @@ def parse_fail_slow(msg: Message, learner_id: str | None = None) -> FailSlowRepo
 
 
 def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
-                 settings: LearnerSettings) -> list[Any]:
-    """Announce a learner rank: its layout and the settings the syncer checks."""
+                 settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Any]:
+    """Announce a learner rank: its layout, the settings the syncer checks and, for a
+    rank of a sharded rack, the pieces it owns (None: whole fragments p = rank mod world)."""
     return encode({"type": "hello", "learner": learner_id, "rank": rank, "world": world,
                    "layout": layout_to_wire(fragments), "fingerprint": fingerprint(fragments),
-                   "settings": settings.to_wire()})
+                   "settings": settings.to_wire(),
+                   **({} if pieces is None else {"pieces": [pieces_to_wire(ps) for ps in pieces]})})
 
 
-def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor]) -> list[Any]:
+def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor],
+                pieces: Sequence[Piece] | None = None) -> list[Any]:
     return encode({"type": "init", "learner": learner_id, "rank": rank, "fragment": fragment,
-                   "codec": CODEC_NONE, "tensors": _tensor_meta(tensors)}, tensors)
+                   "codec": CODEC_NONE, "tensors": _tensor_meta(tensors), **_pieces_field(pieces)}, tensors)
 
 
 def status_request_frames(nonce: int) -> list[Any]:
@@ -296,6 +319,10 @@ class Hello:
     world: int
     layout: list[FragmentSpec]
     settings: LearnerSettings
+    pieces: RankPieces | None = None
+    """The pieces a rank of a sharded rack owns, per fragment; None: a plain rank. Their
+    structure is checked here, their bounds by the syncer (``pieces_problem``), which
+    refuses the learner by name."""
 
 
 def parse_hello(msg: Message) -> Hello:
@@ -344,7 +371,39 @@ def parse_hello(msg: Message) -> Hello:
         except CodecError as exc:
             raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
         values[name] = spec
-    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values))
+    pieces = None
+    if "pieces" in h:
+        raw_pieces = _field(h, "pieces", list)
+        try:
+            pieces = tuple(pieces_from_wire(ps) for ps in raw_pieces)
+        except ValueError as exc:
+            raise WireError(f"hello: {exc}") from None
+    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces)
+
+
+def message_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int) -> tuple[Piece, ...] | None:
+    """The ``pieces`` a message about fragment ``p`` carries (checked against the
+    layout's shapes), or None when it carries whole tensors."""
+    if "pieces" not in msg.header:
+        return None
+    try:
+        pieces = pieces_from_wire(msg.header["pieces"])
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    problem = pieces_problem(fragments, tuple(pieces if i == p else () for i in range(len(fragments))))
+    if problem:
+        raise WireError(problem)
+    return pieces
+
+
+def parse_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int
+                 ) -> tuple[tuple[Piece, ...] | None, tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
+    """(pieces or None, tensors, encoded) of a message about fragment ``p``: with
+    pieces, its tensors are checked against the pieces' shapes, else the whole fragment's."""
+    pieces = message_pieces(msg, fragments, p)
+    spec = fragments[p] if pieces is None else piece_spec(fragments[p], pieces)
+    tensors, encoded = parse_encoded(msg, spec)
+    return pieces, tensors, encoded
 
 
 def parse_tensors(msg: Message, spec: FragmentSpec) -> tuple[torch.Tensor, ...]:
@@ -443,9 +502,9 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     if "rank_steps" in h:
         counters["rank_steps"] = _field(h, "rank_steps", int, minimum=1)
         counters["rank_step_time"] = float(_field(h, "rank_step_time", (int, float), minimum=0))
-    tensors, encoded = parse_encoded(msg, fragments[p])  # after the cheap checks: decoding costs
+    pieces, tensors, encoded = parse_pieces(msg, fragments, p)  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
-                        rank=h["rank"], **counters)
+                        rank=h["rank"], pieces=pieces, **counters)
 
 
 def parse_status_request(msg: Message) -> int:

@@ -33,6 +33,7 @@ import zmq
 
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
@@ -127,6 +128,11 @@ class ZmqLink(QueueLink):
         self._pipe_out.bind(pipe)
         self._pipe_name = pipe
         self._fragments: list[FragmentSpec] = []
+        self._owned: RankPieces = ()
+        """Per fragment, the pieces this rank sends and receives (whole fragments p = rank
+        mod world for a plain rack)."""
+        self._wire_pieces: list[tuple[Piece, ...] | None] = []
+        """Per fragment, the pieces its messages name; None where this rank owns it whole."""
         self._initial: list[list[torch.Tensor]] = []
         self._hello: list[Any] = []
         self._thread: threading.Thread | None = None
@@ -159,18 +165,25 @@ class ZmqLink(QueueLink):
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
-             settings: LearnerSettings) -> list[Update]:
+             settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Update]:
+        """As ``LearnerLink.join``; ``pieces``: for a rank of a sharded rack, the pieces it
+        owns per fragment (``initial`` then holds this rank's local tensors, of which the
+        owned ones seed a fresh syncer). Updates carry those pieces only."""
         self.learner_id = learner_id
         self._fragments = list(fragments)
-        self._initial = [[t.detach().cpu().clone() for t in ts] for ts in initial]
-        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings)
+        self._owned = pieces if pieces is not None else whole_pieces(fragments, self.rank, self.world_size)
+        self._wire_pieces = [None if pieces is None else wire_pieces(f, ps) for f, ps in zip(fragments, self._owned)]
+        self._initial = [[initial[f.index][pc.tensor].detach().cpu().clone() for pc in ps]
+                         for f, ps in zip(fragments, self._owned)] if pieces is not None else \
+            [[t.detach().cpu().clone() for t in ts] for ts in initial]
+        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings, pieces)
         self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
         self._thread.start()
         got: dict[int, Update] = {}
         start = time.monotonic()
         end = start + timeout
         next_note = start + self.join_progress_s
-        owned = sum(1 for p in range(len(fragments)) if p % self.world_size == self.rank)
+        owned = sum(1 for ps in self._owned if ps)
         log.info("%s (rank %d) joining the syncer at %s", learner_id, self.rank, self.endpoint)
         while len(got) < owned:
             upd = self._get(min(end, next_note))
@@ -338,8 +351,11 @@ class ZmqLink(QueueLink):
                 self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
                 self._init_requested = True
+                # The seeder's ranks each send what they own (a plain rank: every fragment whole).
                 for p, values in enumerate(self._initial):
-                    self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values))
+                    if values:
+                        self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values,
+                                                            self._wire_pieces[p]))
             elif msg.type == "bye":
                 self._bye.set()
             elif msg.type == "fail_slow":
@@ -382,7 +398,7 @@ class ZmqLink(QueueLink):
         same_epoch = held is not None and held[0] == epoch
         if not h.get("delta", False):
             reset = bool(h.get("reset", False)) or (held is not None and not same_epoch)
-            tensors = wire.parse_tensors(msg, self._fragments[p])
+            tensors = self._parse_value(msg, p)
             self._fetching.pop(p, None)
             if not reset and held is not None and version < held[1]:
                 return  # a fetch answer overtaken by newer values: keep the newer one
@@ -403,6 +419,16 @@ class ZmqLink(QueueLink):
         full = tuple(old + d for old, d in zip(held[2], decoded))
         self._global[p] = (epoch, version, full)
         self._box.put(Update(p, version, full, epoch=epoch, delta=encoded))
+
+    def _parse_value(self, msg: wire.Message, p: int) -> tuple[torch.Tensor, ...]:
+        """A full value of fragment ``p``: this rank's pieces of it, exactly those."""
+        if self._wire_pieces[p] is None:
+            return wire.parse_tensors(msg, self._fragments[p])
+        pieces, tensors, encoded = wire.parse_pieces(msg, self._fragments, p)
+        if pieces != self._wire_pieces[p] or encoded is not None:
+            raise wire.WireError(f"update of fragment {p} carries pieces {pieces}, this rank owns "
+                                 f"{self._wire_pieces[p]} (uncompressed)")
+        return tensors
 
     def _fetch(self, dealer: zmq.Socket, p: int) -> None:
         log.info("%s lost an update of fragment %d; fetching its full value", self.learner_id, p)

@@ -1,0 +1,258 @@
+"""The learner's view of a sharded rack: each rank's local blocks of the model's tensors.
+
+``RackPieces`` turns the model's tensors of each fragment into what this rank works
+on: for a ``DTensor`` (FSDP2's ``fully_shard``, tensor parallelism, HSDP) its local
+shard, ``to_local()`` (a view: writing it writes the parameter; nothing ever gathers
+a whole parameter), placed in the global tensor from its placements over the mesh
+(``compute_local_shape_and_global_offset``, uneven shards included); a plain tensor
+is one block covering all of it. The ranks then exchange their blocks' places (a few
+integers each, once) so that every rank knows who else holds the same block: of
+those, ``rackmend.core.pieces.owner`` picks the one that sends it and receives its
+updates (``layout``, this rank's ``RankLayout``, which the learner core runs on); the
+others get the value from it by a broadcast inside the rack (``spread``), over a
+process group of exactly the ranks holding that block.
+
+The rules (which pieces travel, the outer gradient over them, when values apply) are
+the learner core's (``rackmend.core.learner``); this module holds the collectives the
+driver answers the core with: ``agree`` on what changes at a step and ``spread``
+received values to the ranks that hold copies. With one rank everything is whole and
+owned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rackmend.config import ConfigError
+from rackmend.core.fragments import FragmentSpec
+from rackmend.core.learner import Change
+from rackmend.core.messages import Update
+from rackmend.core.pieces import Piece, holders, rank_layout
+from rackmend.transport.base import TransportError
+
+__all__ = ["RackPieces", "local_block"]
+
+_NONE = -(2**62)
+"""Neutral value of a MAX all-reduce (no rank reports anything this small)."""
+
+
+def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None]:
+    """(the tensor this rank holds of ``t``, its place in the global tensor); the place
+    is None when the rank holds no element of it (an uneven shard can be empty)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # torch without distributed support: no DTensor either
+        DTensor = None  # type: ignore[assignment,misc]
+    if DTensor is None or not isinstance(t, DTensor):
+        local = t.detach()
+        return local, (Piece(index, (0,) * t.dim(), tuple(t.shape)) if t.numel() else None)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    odd = [p for p in t.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
+    if odd:  # Partial: the local tensor is a summand, not a block
+        raise ConfigError(f"a DTensor parameter has placement {odd[0]} (placements {tuple(t.placements)}); rackmend "
+                          "synchronises Shard and Replicate placements only (FSDP2, tensor parallel, HSDP)")
+    local = t.to_local().detach()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise ConfigError(f"a DTensor's local tensor has shape {list(local.shape)}, its placements "
+                          f"{tuple(t.placements)} say {list(shape)} (padded shards are not supported)")
+    if not local.numel():
+        return local, None
+    if any(isinstance(p, _StridedShard) for p in t.placements) and not _contiguous(t):
+        raise ConfigError(f"a DTensor parameter's local shard (placements {tuple(t.placements)}) is not one "
+                          "block of the global tensor; rackmend sends blocks only")
+    return local, Piece(index, tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+
+
+def _contiguous(t: Any) -> bool:
+    """Whether the rows a strided shard holds (FSDP2 over TP) are consecutive in every
+    dimension, so that offsets and a shape describe them. Uses the index lists torch
+    computes for ``compute_local_shape_and_global_offset``; where those internals are
+    missing, the syncer's cover check (gaps and overlaps) stays the guard."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+        from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    except ImportError:
+        return True
+    mesh, shape = t.device_mesh, list(t.shape)
+    coordinate = mesh.get_coordinate()
+    indices: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(t.placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        size, index = _get_shard_size_and_offsets(shape[p.dim], mesh.size(mesh_dim), coordinate[mesh_dim], p,
+                                                  indices.get(p.dim), t.shape[p.dim], False)
+        shape[p.dim] = size
+        indices[p.dim] = index
+    return all(len(ix) <= 1 or bool((ix[1:] - ix[:-1] == 1).all()) for ix in indices.values())
+
+
+class RackPieces:
+    """Per fragment: this rank's local tensors, its ``layout`` and, for blocks that
+    several ranks hold, the group to broadcast in. Built collectively (every rank of
+    ``group`` constructs it at the same point, as ``RackmendOptimizer`` does)."""
+
+    def __init__(self, fragments: Sequence[FragmentSpec], tensors: Sequence[Sequence[torch.Tensor]],
+                 group: Any = None) -> None:
+        dist = torch.distributed
+        self.fragments = list(fragments)
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        blocks = [[local_block(t, i) for i, t in enumerate(ts)] for ts in tensors]
+        self.local: list[list[torch.Tensor]] = [[b[0] for b in bs] for bs in blocks]
+        """Per fragment, the tensors this rank holds (views of the model's), in fragment order."""
+        mine = [[b[1] for b in bs] for bs in blocks]
+        for f, bs in zip(self.fragments, mine):
+            for spec, b in zip(f.tensors, bs):
+                if b is not None and any(o + s > g for o, s, g in zip(b.offsets, b.shape, spec.shape)):
+                    raise ConfigError(f"{spec.name}: this rank's block at {list(b.offsets)} of {list(b.shape)} lies "
+                                      f"outside the tensor's global shape {list(spec.shape)}")
+        self._device = self._collective_device()
+        self._replicas: list[list[tuple[int, Any] | None]] = [[None] * len(f.tensors) for f in self.fragments]
+        """Per fragment and tensor: (owner's global rank, group of the ranks holding this
+        rank's block) when other ranks hold it too, else None."""
+        rack = self._gather_blocks(mine) if self.distributed else [mine]
+        self.layout = rank_layout(self.fragments, rack, self.rank)
+        """This rank's blocks and owned pieces (what the learner core runs on)."""
+        groups: dict[tuple[int, ...], Any] = {}
+        for f, per_fragment in zip(self.fragments, holders(self.fragments, rack)):
+            for i, per_tensor in enumerate(per_fragment):
+                for held in per_tensor:
+                    if len(held.ranks) < 2:
+                        continue
+                    if held.ranks not in groups:
+                        # Every rank creates every group, in this same order (new_group's contract).
+                        groups[held.ranks] = self._new_group(held.ranks)
+                    if held.block == mine[f.index][i]:
+                        self._replicas[f.index][i] = (self._global(held.owner), groups[held.ranks])
+
+    # ------------------------------------------------------------------ collectives
+    def agree(self, changes: Sequence[Change], updates: Mapping[int, Update]) -> list[tuple[Change, int, int]]:
+        """Per fragment, what every rank does now, the same on all: (change, version,
+        epoch). ``changes`` and ``updates``: this rank's offers (``ShareChanges``). A
+        fragment changes only when every rank owning a piece of it offers the same change
+        with the same value (epoch and version), so each rank's block of it changes at
+        the same step."""
+        n = len(self.fragments)
+        report = torch.full((n, 7), _NONE, dtype=torch.int64)
+        for p in range(n):
+            if not self.layout.owned[p]:
+                continue
+            upd = updates.get(p)
+            if not changes[p] or upd is None:
+                report[p, 0] = 1  # an owner that is not ready holds the fragment back
+                continue
+            c = int(changes[p])
+            report[p] = torch.tensor([0, c, -c, upd.version, -upd.version, upd.epoch, -upd.epoch])
+        out = self._all_reduce_max(report)
+        result = []
+        for p in range(n):
+            waiting, c, neg_c, v, neg_v, e, neg_e = (int(x) for x in out[p])
+            if waiting == 1 or c <= 0 or (c, v, e) != (-neg_c, -neg_v, -neg_e):
+                result.append((Change.NONE, 0, 0))
+            else:
+                result.append((Change(c), v, e))
+        return result
+
+    def spread(self, p: int, upd: Update | None, meta: tuple[int, int, bool] | None = None) -> Update:
+        """Fragment ``p``'s new value on every rank as ``local`` has it (one tensor per
+        tensor of the fragment): owners pass what they received (their pieces, ``upd``),
+        the others None; a block held by several ranks is broadcast from its owner among
+        them. ``meta`` = (version, epoch, reset) when every rank knows it (from ``agree``);
+        otherwise the owners' are all-reduced. Collective: every rank calls it for ``p``."""
+        if not self.distributed:
+            assert upd is not None
+            return upd
+        if meta is None:
+            report = torch.full((5,), _NONE, dtype=torch.int64)
+            if upd is not None:
+                report = torch.tensor([upd.version, -upd.version, upd.epoch, -upd.epoch, int(upd.reset)])
+            v, neg_v, e, neg_e, reset = (int(x) for x in self._all_reduce_max(report))
+            if v < 0 or v != -neg_v or e != -neg_e:
+                raise TransportError(f"fragment {p}: the ranks owning it received different values (versions "
+                                     f"{-neg_v}..{v}); cannot put one value on every rank")
+            meta = (v, e, bool(reset))
+        received = iter(upd.tensors if upd is not None else ())
+        tensors = []
+        for i, (local, block) in enumerate(zip(self.local[p], self.layout.blocks[p])):
+            mine = block is not None and block in self.layout.owned[p]
+            value = next(received) if mine else torch.empty(tuple(local.shape), dtype=local.dtype)
+            replicas = self._replicas[p][i]
+            if replicas is not None:
+                src, group = replicas
+                value = self._broadcast(value if not mine else value.clone(), src, group)
+            tensors.append(value)
+        return Update(p, meta[0], tuple(tensors), reset=meta[2], epoch=meta[1])
+
+    # ------------------------------------------------------------------ helpers
+    def _gather_blocks(self, mine: list[list[Piece | None]]) -> list[list[list[Piece | None]]]:
+        """Every rank's blocks (``mine`` is this rank's), as int64 tensors (no pickling):
+        per tensor, a present flag, then offsets and shape."""
+        dims = [len(spec.shape) for f in self.fragments for spec in f.tensors]
+        # A missing block still takes its tensor's room, so every rank's row has one length.
+        rows, k = [], 0
+        for bs in mine:
+            for b in bs:
+                nd = dims[k]
+                rows += [1, *b.offsets, *b.shape] if b is not None else [0] * (1 + 2 * nd)
+                k += 1
+        row = torch.tensor(rows, dtype=torch.int64)
+        out = [torch.empty_like(row) for _ in range(self.world)]
+        dev = self._device
+        if dev is not None:
+            moved = [t.to(dev) for t in out]
+            torch.distributed.all_gather(moved, row.to(dev), group=self.group)
+            out = [t.cpu() for t in moved]
+        else:
+            torch.distributed.all_gather(out, row, group=self.group)
+        everyone = []
+        for row in out:
+            vals, at, per = row.tolist(), 0, []
+            for f in self.fragments:
+                fb: list[Piece | None] = []
+                for i, spec in enumerate(f.tensors):
+                    nd = len(spec.shape)
+                    if vals[at]:
+                        fb.append(Piece(i, tuple(vals[at + 1:at + 1 + nd]), tuple(vals[at + 1 + nd:at + 1 + 2 * nd])))
+                    else:
+                        fb.append(None)
+                    at += 1 + 2 * nd
+                per.append(fb)
+            everyone.append(per)
+        return everyone
+
+    def _collective_device(self) -> torch.device | None:
+        """Where collective buffers live: the tensors' CUDA device under NCCL, else the host."""
+        if not self.distributed or torch.distributed.get_backend(self.group) != "nccl":
+            return None
+        for ts in self.local:
+            for t in ts:
+                if t.is_cuda:
+                    return t.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _global(self, rank: int) -> int:
+        return torch.distributed.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _new_group(self, ranks: tuple[int, ...]) -> Any:
+        if len(ranks) == self.world:
+            return self.group
+        return torch.distributed.new_group([self._global(r) for r in ranks])
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        dev = self._device
+        buf = t.to(dev) if dev is not None else t
+        torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return buf.cpu() if dev is not None else buf
+
+    def _broadcast(self, t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        dev = self._device
+        buf = t.to(dev) if dev is not None else t
+        torch.distributed.broadcast(buf, src, group=group)
+        return buf.cpu() if dev is not None else buf

@@ -1,0 +1,107 @@
+"""Pieces without processes: the owner rule, the checks a hello's pieces go through,
+and the assembly of a learner's contribution from its ranks' pieces."""
+
+from __future__ import annotations
+
+import torch
+
+from rackmend.core.assembly import Assembler
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.messages import Contribution
+from rackmend.core.pieces import Piece, cover_problem, cut, owner, pieces_problem, whole_pieces
+
+from helpers import make_model
+
+LAYOUT = pack_fragments(make_model(), 2, 3)
+
+
+def _rows(parts: int) -> list[tuple]:
+    """Each of ``parts`` ranks owns a slab of dim 0 of every tensor (FSDP2's Shard(0),
+    uneven as torch.chunk: the last ranks may own less, or nothing)."""
+    ranks: list[list[list[Piece]]] = [[[] for _ in LAYOUT] for _ in range(parts)]
+    for f in LAYOUT:
+        for i, t in enumerate(f.tensors):
+            size = -(-t.shape[0] // parts)
+            for r in range(parts):
+                lo, hi = min(r * size, t.shape[0]), min((r + 1) * size, t.shape[0])
+                if hi > lo:
+                    ranks[r][f.index].append(Piece(i, (lo,) + (0,) * (len(t.shape) - 1), (hi - lo, *t.shape[1:])))
+    return [tuple(tuple(ps) for ps in rank) for rank in ranks]
+
+
+def test_owner_of_a_block_every_rank_holds_is_the_plain_rack_striping() -> None:
+    assert [owner(p, range(3)) for p in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert owner(5, [6, 2]) == 6  # the (5 mod 2)-th of the holders in ascending order
+    ranks = [whole_pieces(LAYOUT, r, 2) for r in range(2)]
+    assert [[bool(ps) for ps in rank] for rank in ranks] == [[True, False], [False, True]]
+    assert cover_problem(LAYOUT, ranks) is None
+
+
+def test_uneven_slabs_cover_every_tensor_and_a_gap_or_overlap_is_named() -> None:
+    ranks = _rows(3)
+    assert all(pieces_problem(LAYOUT, r) is None for r in ranks)
+    assert cover_problem(LAYOUT, ranks) is None
+    gap = cover_problem(LAYOUT, ranks[:2])
+    assert gap is not None and "owned by no rank" in gap and "more than one" not in gap
+    overlap = cover_problem(LAYOUT, [*ranks, ranks[0]])
+    assert overlap is not None and "more than one rank" in overlap and "no rank" not in overlap
+
+
+def test_a_piece_outside_its_tensor_or_empty_or_repeated_is_refused() -> None:
+    rank = [list(ps) for ps in _rows(2)[0]]
+    first = rank[0][0]
+    bad = dict(
+        outside=Piece(first.tensor, first.offsets, (LAYOUT[0].tensors[first.tensor].shape[0] + 1, *first.shape[1:])),
+        empty=Piece(first.tensor, first.offsets, (0, *first.shape[1:])),
+        dims=Piece(first.tensor, first.offsets + (0,), first.shape + (1,)))
+    for word, piece in bad.items():
+        problem = pieces_problem(LAYOUT, tuple(tuple([piece, *ps[1:]]) if k == 0 else tuple(ps)
+                                               for k, ps in enumerate(rank)))
+        assert problem is not None, word
+    repeated = tuple(tuple([ps[0], ps[0], *ps[1:]]) if k == 0 else tuple(ps) for k, ps in enumerate(rank))
+    assert "out of order, repeated" in (pieces_problem(LAYOUT, repeated) or "")
+
+
+def _contrib(rank: int, pieces: tuple, values: tuple, step: int = 3, **kw: object) -> Contribution:
+    fields: dict = dict(learner_id="l0", fragment=0, base_version=1, step=step, c_steps=3, c_tokens=36.0,
+                        step_time=0.01 * (rank + 1), tensors=values, pieces=pieces, rank=rank, session=7,
+                        seq=step, rank_steps=3, rank_step_time=0.01 * (rank + 1))
+    fields.update(kw)
+    return Contribution(**fields)  # type: ignore[arg-type]
+
+
+def test_assembled_contribution_is_the_whole_delta_once_every_rank_is_in() -> None:
+    spec = LAYOUT[0]
+    whole = tuple(torch.randn(t.shape) for t in spec.tensors)
+    ranks = _rows(3)
+    asm = Assembler(LAYOUT)
+    expected = frozenset(r for r in range(3) if ranks[r][0])
+    done = None
+    for r in sorted(expected, reverse=True):
+        assert done is None
+        done, records = asm.add(_contrib(r, ranks[r][0], cut(whole, ranks[r][0])), expected, 0.0)
+        assert records == []
+    assert done is not None and done.pieces is None
+    assert all(torch.equal(a, b) for a, b in zip(done.tensors, whole))
+    assert (done.c_steps, done.c_tokens, done.base_version, done.step_time) == (3, 36.0, 1, 0.01 * max(expected) + 0.01)
+    assert done.rank == max(expected) and done.seq == 3  # the slowest rank's timing, the lowest rank's seq
+
+
+def test_incomplete_contributions_are_dropped_with_a_reason() -> None:
+    spec = LAYOUT[0]
+    whole = tuple(torch.randn(t.shape) for t in spec.tensors)
+    ranks = _rows(2)
+    asm, expected = Assembler(LAYOUT), frozenset({0, 1})
+    asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=3), expected, 0.0)
+    done, records = asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=6), expected, 1.0)
+    assert done is None and [r["event"] for r in records] == ["incomplete"]
+    assert records[0]["missing"] == [1] and "superseded" in records[0]["reason"]
+    late, records = asm.add(_contrib(1, ranks[1][0], cut(whole, ranks[1][0]), step=3, seq=4), expected, 2.0)
+    assert late is None and records[0]["event"] == "piece_dropped"
+    _, records = asm.add(_contrib(1, ranks[1][0], cut(whole, ranks[1][0]), step=6, c_steps=2, seq=6), expected, 2.0)
+    assert records[0]["event"] == "incomplete" and "disagree" in records[0]["reason"]
+    asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=9, seq=9), expected, 3.0)
+    assert asm.expire(5.0, 10.0) == []
+    records = asm.expire(14.0, 10.0)
+    assert [r["missing"] for r in records] == [[1]] and "incomplete after 10s" in records[0]["reason"]
+    assert asm.dropped == 3

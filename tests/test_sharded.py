@@ -1,0 +1,262 @@
+"""Sharded racks (FSDP2, tensor parallel) with a real ``rackmend syncer``: torchrun
+jobs of gloo ranks on the CPU, each rank sending and receiving its own pieces; racks
+sharded differently training one model; pieces that cannot be right refused at hello."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.pieces import Piece, whole_pieces
+from rackmend.core.settings import LearnerSettings
+from rackmend.transport import wire
+
+from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model
+from procs import Procs, events, finish
+from reference import reference_run
+
+SHARDED = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+PROC = str(Path(__file__).parent / "_sharded_proc.py")
+H, P, TAU, STEPS = 3, 2, 1, 12
+
+
+def _rack(procs: Procs, endpoint: str, lid: str, ranks: int, mode: str, ids: list[str], tmp: Path,
+          *extra: str) -> object:
+    """A torchrun job of ``ranks`` ranks training ``lid`` sharded as ``mode``."""
+    return procs.start([*SHARDED, "--nproc-per-node", str(ranks), PROC, "--mode", mode, "--endpoint", endpoint,
+                        "--id", lid, "--steps", str(STEPS), "--H", str(H), "--P", str(P), "--tau", str(TAU),
+                        "--learners", ",".join(ids), "--out", str(tmp / f"{lid}.safetensors"), *extra], lid)
+
+
+def _plain(procs: Procs, endpoint: str, lid: str, ids: list[str], tmp: Path, *extra: str) -> object:
+    return procs.learner(endpoint, lid, "--steps", str(STEPS), "--H", str(H), "--P", str(P), "--tau", str(TAU),
+                         "--learners", ",".join(ids), "--out", str(tmp / f"{lid}.safetensors"), *extra)
+
+
+def _reference(ids: list[str], grad_ranks: dict[str, int] | None = None) -> dict[str, torch.nn.Module]:
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU),
+                            syncer=SyncerConfig(min_quorum=len(ids), learners=tuple(ids)), deterministic=True)
+    torch.set_num_threads(1)
+    return reference_run(make_model, make_inner, batch, config, ids, STEPS, grad_ranks)[0]
+
+
+def _merges(tmp: Path, ids: list[str]) -> list[dict]:
+    merges = [e for e in events(tmp) if e["event"] == "merge"]
+    assert sorted({e["fragment"] for e in merges}) == list(range(P)), "some fragments never merged"
+    assert all(e["merged"] == ids for e in merges), [e["merged"] for e in merges]
+    assert not [e for e in events(tmp) if e["event"] in ("incomplete", "piece_dropped", "reject", "bad_message")]
+    return merges
+
+
+def test_two_fsdp2_racks_equal_the_single_process_reference(procs: Procs, tmp_path: Path) -> None:
+    """Two FSDP2 racks of 2 ranks each, deterministic: every rank sends only its shard of
+    every tensor, the syncer assembles them, and the final parameters equal the plain
+    single-process reference bit for bit (the shards' reductions are elementwise)."""
+    ids = ["l0", "l1"]
+    _, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                               "--overlap", str(TAU))
+    racks = {lid: _rack(procs, endpoint, lid, 2, "fsdp", ids, tmp_path, "--deterministic") for lid in ids}
+    for lid, proc in racks.items():
+        finish(proc, procs, lid, timeout=240)
+    merges = _merges(tmp_path, ids)
+    assert len(merges) >= P * 3
+    assert_files_equal_reference(tmp_path, ids, _reference(ids))
+
+
+def _held_equal_syncer(tmp: Path, lid: str, ranks: int, checkpoint: dict[str, torch.Tensor]) -> None:
+    """Every rank of ``lid`` holds, of each fragment, its blocks of the syncer's value of
+    the version it holds (the checkpoint's history), bit for bit; all ranks hold one version."""
+    files = [load_file(f"{tmp}/{lid}.held.{r}") for r in range(ranks)]
+    versions = files[0]["versions"].tolist()
+    assert all(f["versions"].tolist() == versions for f in files), "the ranks hold different versions"
+    for p, v in enumerate(versions):
+        assert v >= 3, f"{lid} holds fragment {p} at version {v} only"
+        i = 0
+        while f"history/{p}/{v}/{i}" in checkpoint:
+            whole = checkpoint[f"history/{p}/{v}/{i}"]
+            for r, f in enumerate(files):
+                place = f[f"place/{p}/{i}"].tolist()
+                if place:  # a rank may hold nothing of a small tensor (uneven shards)
+                    nd = len(place) // 2
+                    block = whole[tuple(slice(o, o + s) for o, s in zip(place[:nd], place[nd:]))]
+                    assert torch.equal(f[f"held/{p}/{i}"], block), f"{lid} rank {r} holds fragment {p}.{i} unlike the syncer"
+            i += 1
+        assert i > 0, f"the checkpoint has no history of fragment {p} version {v}"
+
+
+@pytest.mark.parametrize("mode,ranks", [("tp", 2), ("tp_fsdp", 4)])
+def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path: Path, mode: str,
+                                                         ranks: int) -> None:
+    """A rack of 2 tensor-parallel ranks (colwise then rowwise Linear: Shard(0), Shard(1)
+    and a Replicate bias; the other tensors plain, replicated on both ranks), or of TP
+    pairs inside FSDP2 over 2 (a 2 x 2 mesh: FSDP's strided shards of TP's, and blocks
+    only the TP pair shares), and a plain rack, deterministic: every fragment merges both
+    every round, every rank of the sharded rack holds exactly its blocks of the syncer's
+    values (replicated blocks reach the ranks that do not own them by broadcast), and
+    the result stays within rounding of the single-process reference (rowwise parallel
+    sums its partial products in another order)."""
+    ids = ["l0", "l1"]
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                                    "--overlap", str(TAU), "--checkpoint-dir", str(ck))
+    tp = _rack(procs, endpoint, "l0", ranks, mode, ids, tmp_path, "--deterministic",
+               "--held-out", str(tmp_path / "l0.held"))
+    plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
+    finish(tp, procs, "l0", timeout=240)
+    finish(plain, procs, "l1", timeout=240)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    assert len(_merges(tmp_path, ids)) >= P * 3
+    checkpoint = load_file(str(ck / "syncer.safetensors"))
+    _held_equal_syncer(tmp_path, "l0", ranks, checkpoint)
+    ref = _reference(ids)
+    for lid in ids:
+        got = load_file(str(tmp_path / f"{lid}.safetensors"))
+        for name, value in ref[lid].state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-4, msg=f"{lid}.{name}")
+    assert not torch.equal(load_file(str(tmp_path / "l0.safetensors"))["blocks.0.weight"],
+                           make_model().state_dict()["blocks.0.weight"]), "the TP rack did not train"
+
+
+def test_fsdp_racks_of_two_and_three_ranks_and_a_plain_rack_equal_the_reference(procs: Procs,
+                                                                                 tmp_path: Path) -> None:
+    """One syncer, three racks of different shapes: FSDP2 over 3 ranks (uneven shards: 17
+    rows as 6 + 6 + 5, 8 as 3 + 3 + 2), FSDP2 over 2 ranks and one plain process,
+    deterministic: each equals the single-process reference bit for bit. The 3-rank rack's
+    own gradient average, fl(fl(3g) / 3), differs from g by up to an ulp: the reference
+    computes it the same way for that rack (``grad_ranks``), and a check below shows the
+    difference is real, so the comparison would see a rackmend-side difference as well."""
+    ids = ["l0", "l1", "l2"]
+    _, endpoint = procs.syncer("--deterministic", "--min-quorum", "3", "--learners", ",".join(ids),
+                               "--overlap", str(TAU))
+    racks = {"l0": _rack(procs, endpoint, "l0", 3, "fsdp", ids, tmp_path, "--deterministic"),
+             "l1": _rack(procs, endpoint, "l1", 2, "fsdp", ids, tmp_path, "--deterministic"),
+             "l2": _plain(procs, endpoint, "l2", ids, tmp_path, "--deterministic")}
+    for lid, proc in racks.items():
+        finish(proc, procs, lid, timeout=300)
+    assert len(_merges(tmp_path, ids)) >= P * 3
+    assert_files_equal_reference(tmp_path, ids, _reference(ids, {"l0": 3}))
+    with pytest.raises(AssertionError, match="differs from the reference"):  # the op that differs, shown
+        assert_files_equal_reference(tmp_path, ["l0"], _reference(ids))
+
+
+def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs: Procs, tmp_path: Path) -> None:
+    """Asynchronous (no lockstep, quorum 1): an FSDP2 rack of 2 ranks and a plain rack
+    train one model; the rack's held-out loss falls clearly, and at the end each of its
+    ranks holds exactly its blocks of the syncer's value of the version it holds (all
+    ranks the same version: a value is applied on every rank at the same step)."""
+    ids, steps = ["l0", "l1"], 30
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--overlap", str(TAU), "--checkpoint-dir", str(ck))
+    rack = procs.start([*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--endpoint", endpoint,
+                        "--id", "l0", "--steps", str(steps), "--H", str(H), "--P", str(P), "--tau", str(TAU),
+                        "--held-out", str(tmp_path / "l0.held"), "--loss-out", str(tmp_path / "loss")], "l0")
+    plain = procs.learner(endpoint, "l1", "--steps", str(steps), "--H", str(H), "--P", str(P), "--tau", str(TAU))
+    finish(rack, procs, "l0", timeout=300)
+    finish(plain, procs, "l1", timeout=300)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert {lid for e in merges for lid in e["merged"]} == set(ids)
+    assert not [e for e in events(tmp_path) if e["event"] in ("piece_dropped", "reject", "bad_message")]
+    first, last = map(float, (tmp_path / "loss").read_text().split())
+    assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
+    _held_equal_syncer(tmp_path, "l0", 2, load_file(str(ck / "syncer.safetensors")))
+
+
+def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_path: Path) -> None:
+    """HSDP: 2 replicas of FSDP2 over 2 ranks (4 processes), beside a plain rack,
+    deterministic. Of each block two ranks hold a copy: the owner (``core.pieces.owner``)
+    sends and receives it, its replica gets the value by broadcast in their pair's group.
+    Both racks equal the single-process reference bit for bit, and every rank holds
+    exactly its blocks of the syncer's values."""
+    ids = ["l0", "l1"]
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                                    "--overlap", str(TAU), "--checkpoint-dir", str(ck))
+    rack = _rack(procs, endpoint, "l0", 4, "hsdp", ids, tmp_path, "--deterministic",
+                 "--held-out", str(tmp_path / "l0.held"))
+    plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
+    finish(rack, procs, "l0", timeout=300)
+    finish(plain, procs, "l1", timeout=300)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    assert len(_merges(tmp_path, ids)) >= P * 3
+    _held_equal_syncer(tmp_path, "l0", 4, load_file(str(ck / "syncer.safetensors")))
+    assert_files_equal_reference(tmp_path, ids, _reference(ids))
+
+
+def test_llama_under_fsdp2_trains_through_rackmend(procs: Procs, tmp_path: Path) -> None:
+    """A Hugging Face Llama from a small config (random init, nothing downloaded), FSDP2
+    over 2 ranks per layer and at the root, async: merges happen and its held-out loss
+    falls clearly."""
+    pytest.importorskip("transformers")
+    steps = 30
+    _, endpoint = procs.syncer("--overlap", str(TAU))
+    proc = procs.start([*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--model", "llama",
+                        "--endpoint", endpoint, "--id", "l0", "--steps", str(steps), "--H", str(H), "--P", "4",
+                        "--tau", str(TAU), "--loss-out", str(tmp_path / "loss")], "l0")
+    finish(proc, procs, "l0", timeout=300)
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert sorted({e["fragment"] for e in merges}) == list(range(4)), "some fragments never merged"
+    assert not [e for e in events(tmp_path) if e["event"] in ("incomplete", "piece_dropped", "reject")]
+    first, last = map(float, (tmp_path / "loss").read_text().split())
+    assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
+
+
+# ---------------------------------------------------------------- pieces refused at hello
+def _hello(lid: str, rank: int, world: int, pieces: object) -> list:
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU))
+    return wire.hello_frames(lid, rank, world, pack_fragments(make_model(), P, H),
+                             LearnerSettings.from_config(config), pieces)  # type: ignore[arg-type]
+
+
+def _rows(lo_frac: float, hi_frac: float, extra: int = 0) -> tuple:
+    """Per fragment, per tensor: rows [lo, hi) of dim 0 (+ ``extra`` rows past hi)."""
+    out = []
+    for f in pack_fragments(make_model(), P, H):
+        ps = []
+        for i, t in enumerate(f.tensors):
+            lo, hi = int(t.shape[0] * lo_frac), min(t.shape[0], int(t.shape[0] * hi_frac) + extra)
+            ps.append(Piece(i, (lo,) + (0,) * (len(t.shape) - 1), (hi - lo, *t.shape[1:])))
+        out.append(tuple(ps))
+    return tuple(out)
+
+
+def test_pieces_out_of_bounds_or_overlapping_are_refused_by_name(procs: Procs, tmp_path: Path) -> None:
+    """A rank declaring a piece outside its tensor is refused at once; two ranks whose
+    pieces overlap (an element sent twice) or leave a gap are refused together once
+    both said hello, each with a fatal error naming the tensor, before any value moves."""
+    _, endpoint = procs.syncer("--overlap", str(TAU))
+    layout = pack_fragments(make_model(), P, H)
+    outside = list(whole_pieces(layout, 0, 1))
+    first = outside[0][0]
+    outside[0] = (Piece(0, first.offsets, (first.shape[0] + 1, *first.shape[1:])), *outside[0][1:])
+    dealers = [Dealer(endpoint) for _ in range(5)]
+    try:
+        dealers[0].send(_hello("solo", 0, 1, tuple(outside)))
+        err = dealers[0].recv_type("error", 10)
+        assert err is not None and err["code"] == "fatal" and "lies outside the tensor" in err["reason"], err
+        for lid, (a, b) in {"overlap": (_rows(0, 0.5, 1), _rows(0.5, 1)), "gap": (_rows(0, 0.4), _rows(0.5, 1))}.items():
+            d0, d1 = dealers[1:3] if lid == "overlap" else dealers[3:5]
+            d0.send(_hello(lid, 0, 2, a))
+            assert d0.recv_type("error", 1) is None, "refused before the other rank said hello"
+            d1.send(_hello(lid, 1, 2, b))
+            word = "more than one rank" if lid == "overlap" else "owned by no rank"
+            for d in (d0, d1):
+                err = d.recv_type("error", 10)
+                assert err is not None and err["code"] == "fatal" and word in err["reason"], err
+        refused = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
+        assert {e["learner"] for e in refused} == {"solo", "overlap", "gap"}
+        assert all(e["setting"] == "pieces" for e in refused)
+        assert not [e for e in events(tmp_path) if e["event"] in ("init_request", "join")]
+    finally:
+        for d in dealers:
+            d.close()
