@@ -171,8 +171,46 @@ class ScheduleConfig:
     rack keeps its own statistics; the syncer's global model then has none). Must be
     the same on every learner (it changes the layout)."""
 
+    desloc: bool = False
+    """DES-LOC: also average the inner optimizer's moments across learners, Adam's
+    ``exp_avg`` every ``desloc_ku`` and ``exp_avg_sq`` every ``desloc_kv`` steps per
+    fragment (weighted mean with the weights of parameter merges, no outer step); each
+    learner overwrites its moments with the mean tau steps after sending them. Needs
+    ``torch.optim.Adam`` or ``AdamW`` (without ``amsgrad``) as the inner optimizer and a
+    single-process learner. Off by default: on the demo GPT it did not improve held-out
+    loss at equal tokens (docs/benchmarks.md, "DES-LOC"). Every learner must use the
+    same value. Wrong shows as ``moments`` records missing from the syncer's log (off
+    when meant on) or as a loss that jumps after each ``moments`` merge (learners whose
+    data differ so much that a shared second moment misscales their steps)."""
+
+    desloc_ku: int | None = None
+    """K_u: inner steps between two averagings of a fragment's ``exp_avg`` (first
+    moment); None: 3 x sync_every. A multiple of ``sync_every``, so the moments leave
+    with a parameter send of the fragment and merge with the same weights. Too small
+    costs uplink (each send is as large as the fragment) for little gain; too large
+    lets the learners' momenta drift apart between averagings."""
+
+    desloc_kv: int | None = None
+    """K_v: inner steps between two averagings of a fragment's ``exp_avg_sq`` (second
+    moment); None: 6 x sync_every. A multiple of ``sync_every``. The second moment
+    changes slowly, so it can be averaged less often than the first."""
+
+    def moment_periods(self) -> tuple[int, int]:
+        """(K_u, K_v) with the defaults of ``desloc_ku`` and ``desloc_kv`` filled in."""
+        H = self.sync_every
+        return (self.desloc_ku if self.desloc_ku is not None else 3 * H,
+                self.desloc_kv if self.desloc_kv is not None else 6 * H)
+
     def validate(self) -> None:
         _check(self.sync_every >= 1, f"sync_every (H) must be >= 1, got {self.sync_every}")
+        for name in ("desloc_ku", "desloc_kv"):
+            k = getattr(self, name)
+            _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
+                   f"{name} must be a whole number of inner steps >= 1, or None for the default, got {k!r}")
+            _check(k is None or k % self.sync_every == 0,
+                   f"{name}={k} is not a multiple of sync_every (H)={self.sync_every}: moments leave with a "
+                   f"parameter send of their fragment; set {name} to a multiple of {self.sync_every} (or None "
+                   "for the default)")
         _check(self.num_fragments >= 1, f"num_fragments (P) must be >= 1, got {self.num_fragments}")
         _check(self.overlap >= 0, f"overlap (tau) must be >= 0, got {self.overlap}")
         _check(
@@ -478,9 +516,21 @@ class CompressionConfig:
     exactly what learners reconstruct, so every copy stays bit-identical. The syncer
     keeps the residual. Joins and resynchronisations always travel uncompressed."""
 
+    moments: str = field(default="none", metadata={OPTION: "moments_codec"})
+    """Codec of DES-LOC's moments (``ScheduleConfig.desloc``), both ways: learners send
+    their moments with it and the syncer sends the mean with it, setting its own copy to
+    exactly what learners decode. Values rather than changes travel, so there is no
+    error feedback; ``powersgd`` is refused (a low-rank value would give negative second
+    moments). ``bf16`` halves the bytes at a relative error of about 0.4 % per value;
+    held-out loss that gets worse with a lossy codec than with ``none`` says it is too
+    coarse. Learners and the syncer must agree."""
+
     def validate(self) -> None:
-        for name in ("uplink", "downlink"):
+        for name in ("uplink", "downlink", "moments"):
             self._build(name)
+        _check(self._build("moments").name != "powersgd",
+               f"compression.moments={self.moments!r}: powersgd approximates a tensor by a low-rank product, "
+               "which turns non-negative second moments negative; use none, bf16, int8 or int4 for moments")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -496,8 +546,8 @@ class CompressionConfig:
             ) from None
 
     def require_float32(self, name: str, tensors: Iterable[tuple[str, torch.dtype]]) -> None:
-        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``
-        or ``downlink``) is lossy: codecs encode float32 only, and silently sending such
+        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``,
+        ``downlink`` or ``moments``) is lossy: codecs encode float32 only, and silently sending such
         tensors uncompressed would hide that the setting has no effect."""
         if self._build(name).lossless:
             return
@@ -514,6 +564,10 @@ class CompressionConfig:
     def build_downlink(self) -> Codec:
         """The codec the syncer encodes update deltas with."""
         return self._build("downlink")
+
+    def build_moments(self) -> Codec:
+        """The codec DES-LOC's moments travel with, both ways."""
+        return self._build("moments")
 
 
 @dataclass(kw_only=True)
