@@ -43,6 +43,7 @@ __all__ = [
     "APPLY_RULES",
     "PACKINGS",
     "ANCHORINGS",
+    "MOMENT_CODECS",
     "OPTION",
     "OPTION_SCALE",
     "check_choice",
@@ -60,6 +61,9 @@ MERGES: tuple[str, ...] = typing.get_args(Merge)
 APPLY_RULES: tuple[str, ...] = typing.get_args(ApplyRule)
 PACKINGS: tuple[str, ...] = typing.get_args(Packing)
 ANCHORINGS: tuple[str, ...] = typing.get_args(Anchoring)
+
+MOMENT_CODECS: tuple[str, ...] = ("none", "bf16")
+"""Codecs DES-LOC's moments may travel with (``CompressionConfig.moments``)."""
 
 OPTION = "rackmend.option"
 """``dataclasses.field`` metadata key: the field's name as a ``rackmend syncer`` option
@@ -517,20 +521,22 @@ class CompressionConfig:
     keeps the residual. Joins and resynchronisations always travel uncompressed."""
 
     moments: str = field(default="none", metadata={OPTION: "moments_codec"})
-    """Codec of DES-LOC's moments (``ScheduleConfig.desloc``), both ways: learners send
-    their moments with it and the syncer sends the mean with it, setting its own copy to
-    exactly what learners decode. Values rather than changes travel, so there is no
-    error feedback; ``powersgd`` is refused (a low-rank value would give negative second
-    moments). ``bf16`` halves the bytes at a relative error of about 0.4 % per value;
-    held-out loss that gets worse with a lossy codec than with ``none`` says it is too
-    coarse. Learners and the syncer must agree."""
+    """Codec of DES-LOC's moments (``ScheduleConfig.desloc``), both ways: ``none`` or
+    ``bf16``. Learners send their moments with it and the syncer sends the mean with it,
+    setting its own copy to exactly what learners decode. Values rather than changes
+    travel, so there is no error feedback. ``bf16`` halves the bytes at a relative error
+    of at most 0.4 % per value. The block-wise integer codecs are refused: they round
+    the small second moments of a block to zero, and Adam divides by their square root
+    (on the test model, one int8 round blew a learner's step up a thousandfold);
+    ``powersgd`` would turn second moments negative. Learners and the syncer must agree."""
 
     def validate(self) -> None:
         for name in ("uplink", "downlink", "moments"):
             self._build(name)
-        _check(self._build("moments").name != "powersgd",
-               f"compression.moments={self.moments!r}: powersgd approximates a tensor by a low-rank product, "
-               "which turns non-negative second moments negative; use none, bf16, int8 or int4 for moments")
+        _check(self._build("moments").name in MOMENT_CODECS,
+               f"compression.moments={self.moments!r} is not allowed for moments; use one of "
+               f"{', '.join(MOMENT_CODECS)}: integer codecs round small second moments to zero (Adam divides by "
+               "their square root) and powersgd turns them negative")
 
     def __post_init__(self) -> None:
         self.validate()
