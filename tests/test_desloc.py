@@ -305,3 +305,58 @@ def test_syncer_and_learner_processes_equal_the_reference(procs: Procs, tmp_path
             assert torch.equal(tensors[f"moments/{p}/{kind}/{i}"], value), f"checkpointed {kind} of fragment {p}"
     assert not [e for e in events(tmp_path) if e["event"] in ("bad_message", "reject")]
 
+
+
+def test_learner_core_schedule_counters_and_waits() -> None:
+    """The core alone, fake clock: moments leave with the fragment's parameter send every
+    K_u (K_v) steps with its counters, and in deterministic mode the learner waits for
+    the mean at t_send + tau, after the parameter value, then overwrites its moments."""
+    from rackmend.core.fragments import FragmentSpec, TensorSpec
+    from rackmend.core.learner import (ApplyDue, ApplyMoments, ApplyValue, InnerStepDone, JoinedValue, LearnerCore,
+                                       MomentsAnswered, MomentsTaken, SendFragment, SendMoments, SnapshotTaken,
+                                       TakeMoments, TakeSnapshot, WaitAnswered, WaitForMoments, WaitForVersion)
+    from rackmend.core.messages import MomentUpdate, Update
+
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=1, overlap=1, desloc=True,
+                                                    desloc_ku=2, desloc_kv=4), deterministic=True)
+    spec = FragmentSpec(0, 0, (TensorSpec("w", (3,), torch.float32), TensorSpec("b", (3,), torch.float32,
+                                                                                   is_buffer=True)))
+    core = LearnerCore(config, [spec], learner_id="a")
+    core.handle(JoinedValue(Update(0, 0, (torch.zeros(3), torch.zeros(3)))), 0.0)
+    log: list = []
+
+    def run(actions: list) -> None:
+        for a in actions:
+            log.append(a)
+            if isinstance(a, TakeSnapshot):
+                run(core.handle(SnapshotTaken(0, [torch.zeros(3), torch.zeros(3)]), 0.0))
+            elif isinstance(a, TakeMoments):
+                run(core.handle(MomentsTaken(0, a.kind, [torch.full((3,), float(core.step))]), 0.0))
+            elif isinstance(a, WaitForVersion):
+                run(core.handle(WaitAnswered(0, Update(0, a.after_version + 1, (torch.ones(3), torch.ones(3)))), 0.0))
+            elif isinstance(a, WaitForMoments):
+                mean = MomentUpdate(0, a.kind, a.after_version + 1, (torch.full((3,), 7.0),))
+                run(core.handle(MomentsAnswered(0, a.kind, mean), 0.0))
+
+    kinds: dict[int, list] = {}
+    for t in range(1, 6):
+        log.clear()
+        run(core.handle(InnerStepDone(4.0), float(t)))
+        run(core.handle(ApplyDue(), float(t)))
+        kinds[t] = [(type(a).__name__, a.contribution.kind if isinstance(a, SendMoments) else getattr(a, "kind", None))
+                    for a in log
+                    if isinstance(a, (SendMoments, ApplyValue, ApplyMoments, WaitForMoments))]
+        sends = [a for a in log if isinstance(a, (SendFragment, SendMoments))]
+        counts = {(a.contribution.c_steps, a.contribution.c_tokens) for a in sends}
+        assert len(counts) <= 1, f"step {t}: moments and parameters carry other counters: {counts}"
+        for a in sends:
+            if isinstance(a, SendMoments):
+                assert len(a.contribution.tensors) == 1, "buffers have no moments"
+                assert a.contribution.base_version == (0 if t <= 2 else 1 if a.contribution.kind == "exp_avg" else 0)
+    assert kinds[1] == [] and kinds[2] == [("SendMoments", "exp_avg")]
+    assert kinds[3] == [("ApplyValue", None), ("WaitForMoments", "exp_avg"), ("ApplyMoments", "exp_avg")]
+    assert kinds[4] == [("SendMoments", "exp_avg"), ("SendMoments", "exp_avg_sq")]
+    assert kinds[5] == [("ApplyValue", None), ("WaitForMoments", "exp_avg"), ("ApplyMoments", "exp_avg"),
+                        ("WaitForMoments", "exp_avg_sq"), ("ApplyMoments", "exp_avg_sq")]
+    assert {k: (m.version, m.in_flight) for k, m in core.moments[0].items()} == {"exp_avg": (2, None),
+                                                                                 "exp_avg_sq": (1, None)}
