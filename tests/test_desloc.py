@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rackmend import CompressionConfig, InProcessSyncer, LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig
-from rackmend import SyncerConfig
+from rackmend import (CompressionConfig, InProcessSyncer, LearnerConfig, RackmendConfig, RackmendOptimizer,
+                      ScheduleConfig, SyncerConfig)
 from rackmend.config import ConfigError
 from rackmend.core.fragments import fragment_tensors, pack_fragments
 from rackmend.core.messages import MomentContribution, moment_spec
@@ -22,7 +22,8 @@ from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
 
-from helpers import assert_equal_to_reference, assert_files_equal_reference, batch, make_inner, make_model, run_inprocess, train
+from helpers import (assert_equal_to_reference, assert_files_equal_reference, batch, make_inner, make_model,
+                     run_inprocess, train)
 from procs import Procs, events, finish
 from reference import reference_run
 
@@ -360,3 +361,27 @@ def test_learner_core_schedule_counters_and_waits() -> None:
                         ("WaitForMoments", "exp_avg_sq"), ("ApplyMoments", "exp_avg_sq")]
     assert {k: (m.version, m.in_flight) for k, m in core.moments[0].items()} == {"exp_avg": (2, None),
                                                                                  "exp_avg_sq": (1, None)}
+
+
+def test_asynchronous_run_averages_and_applies_moments() -> None:
+    """Without deterministic mode rounds close on quorum and grace; every learner still
+    applies averaged moments, and its last applied ones are a mean the syncer sent."""
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=H, num_fragments=2, overlap=1, desloc=True, desloc_ku=H, desloc_kv=H),
+        syncer=SyncerConfig(min_quorum=1, learners=("l0", "l1"), grace_max=0.5))
+    optimizers: dict[str, RackmendOptimizer] = {}
+    _, hub = run_inprocess(config, _ids(2), 8 * H, optimizers=optimizers)
+    rounds = [e for e in hub.events if e["event"] == "moments"]
+    assert {(e["fragment"], e["kind"]) for e in rounds} == {(p, k) for p in range(2) for k in ("exp_avg", "exp_avg_sq")}
+    for lid, opt in optimizers.items():
+        versions = {(p, k): m.version for p, ms in enumerate(opt.core.moments) for k, m in ms.items()}
+        assert all(v >= 1 for v in versions.values()), f"{lid} applied no averaged moments: {versions}"
+    assert not [e for e in hub.events if e["event"] in ("reject", "merge_dropped")]
+
+
+def test_multi_rank_learners_are_refused() -> None:
+    from rackmend.core.learner import LearnerCore
+
+    frags = pack_fragments(make_model(), 2, H)
+    with pytest.raises(ConfigError, match="single-process learner"):
+        LearnerCore(_config(1, 2), frags, learner_id="a", rank=0, world_size=2)

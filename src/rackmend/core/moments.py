@@ -168,7 +168,8 @@ class MomentRounds:
         tensors = {f"moments/{p}/{kind}/{i}": t for (p, kind), upd in self.current.items()
                    for i, t in enumerate(upd.tensors)}
         meta = {"versions": [[p, kind, v] for (p, kind), v in self.versions.items() if v > 0],
-                "sequences": [[lid, p, kind, sess, seq] for (lid, p, kind), (sess, seq) in sorted(self.sequences.items())]}
+                "sequences": [[lid, p, kind, sess, seq]
+                              for (lid, p, kind), (sess, seq) in sorted(self.sequences.items())]}
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

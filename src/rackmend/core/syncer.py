@@ -969,9 +969,10 @@ class SyncerCore:
     def _merge_moments(self, key: MomentKey, now: float, actions: list[Action]) -> None:
         merged = self.moments.merge(key, now)
         if merged is None:
-            actions.append(self._log(now, "merge_dropped", fragment=key[0], kind=key[1], version=self.moments.versions[key],
-                                     reason=(f"fragment {key[0]}: the mean of the {key[1]} moments is not finite; "
-                                             "the round was dropped and the learners keep their own")))
+            actions.append(self._log(
+                now, "merge_dropped", fragment=key[0], kind=key[1], version=self.moments.versions[key],
+                reason=(f"fragment {key[0]}: the mean of the {key[1]} moments is not finite; the round was dropped "
+                        "and the learners keep their own")))
             return
         upd, fields = merged
         to = self.connected_learners()
