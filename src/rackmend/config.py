@@ -181,11 +181,13 @@ class ScheduleConfig:
     fragment (weighted mean with the weights of parameter merges, no outer step); each
     learner overwrites its moments with the mean tau steps after sending them. Needs
     ``torch.optim.Adam`` or ``AdamW`` (without ``amsgrad``) as the inner optimizer and a
-    single-process learner. Off by default: on the demo GPT it did not improve held-out
-    loss at equal tokens (docs/benchmarks.md, "DES-LOC"). Every learner must use the
-    same value. Wrong shows as ``moments`` records missing from the syncer's log (off
-    when meant on) or as a loss that jumps after each ``moments`` merge (learners whose
-    data differ so much that a shared second moment misscales their steps)."""
+    single-process learner. Off by default: on the demo GPT (M=4, H=16) it made held-out
+    loss worse on all 3 seeds (median 2.343 against 2.303, one seed blew up to 3.42;
+    docs/benchmarks.md, "DES-LOC"). Every learner must use the same value. Wrong shows
+    as ``moments`` records missing from the syncer's log (off when meant on), or as a
+    loss that jumps after ``moments`` rounds and ``guard`` clips: with K_u < K_v a
+    learner divides the fleet's first moment by its own second moment, which is near
+    zero where its data are sparse (docs/tuning.md); set ``desloc_kv = desloc_ku``."""
 
     desloc_ku: int | None = None
     """K_u: inner steps between two averagings of a fragment's ``exp_avg`` (first

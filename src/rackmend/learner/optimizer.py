@@ -558,7 +558,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             raise TransportError(
                 f"learner {self.learner_id}: no averaged {action.kind} moments for fragment {action.fragment} within "
                 f"{self.config.learner.wait_timeout}s in deterministic mode (is every listed learner running with "
-                "the same ScheduleConfig.desloc settings? raise learner.wait_timeout if merges are slower)")
+                "the same ScheduleConfig.desloc settings? a merge_dropped record in the syncer's log names a round "
+                "it dropped; raise learner.wait_timeout if merges are slower)")
         return upd
 
     def _snapshot(self, p: int) -> list[torch.Tensor]:
