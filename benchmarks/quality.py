@@ -18,6 +18,8 @@ number depends only on the seed, not on thread timing:
 - ``rackmend``: rackmend's defaults (``SyncerConfig()``, P=4, tau=2) with H=16.
 - ``rackmend-async``: the same, asynchronous with K=1 and the adaptive grace window
   (the only arm whose number also depends on thread timing).
+- ``rackmend-desloc``: ``rackmend`` with DES-LOC on (Adam's moments averaged too, every
+  K_u = 3H and K_v = 6H steps, ``ScheduleConfig.desloc``).
 
 The sweep varies the outer learning rate and momentum of the rackmend schedule, at
 M=4, H=16 and then across H and M. The ablation (``hetero``) runs asynchronously with
@@ -48,9 +50,10 @@ def outer(lr: float, momentum: float) -> dict[str, Any]:
     return {"outer_lr": lr, "outer_kwargs": kwargs}
 
 
-def config(M: int, H: int, P: int, tau: int, *, deterministic: bool = True, **syncer: Any) -> RackmendConfig:
+def config(M: int, H: int, P: int, tau: int, *, deterministic: bool = True, desloc: bool = False,
+           **syncer: Any) -> RackmendConfig:
     ids = tuple(f"learner{i}" for i in range(M))
-    return RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+    return RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau, desloc=desloc),
                           syncer=SyncerConfig(min_quorum=M if deterministic else syncer.pop("min_quorum", 1),
                                               learners=ids, **syncer),
                           deterministic=deterministic)
@@ -65,6 +68,7 @@ def arms(M: int, H: int) -> dict[str, tuple[RackmendConfig, int]]:
         "diloco": (config(M, H, 1, 0, **outer(0.7, 0.9)), M),
         "rackmend": (config(M, H, 4, 2), M),
         "rackmend-async": (config(M, H, 4, 2, deterministic=False), M),
+        "rackmend-desloc": (config(M, H, 4, 2, desloc=True), M),
     }
 
 
@@ -90,14 +94,14 @@ def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float,
 def section_arms(steps: int, seeds: list[int], M: int, corpus: ByteCorpus, only: list[str] | None) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     print(f"\narms at equal tokens: M={M}, {steps} steps per learner, H={H_DEFAULT}, seeds {seeds}")
-    print(f"{'arm':<14} {'median':>8} {'95% interval':>18}  per seed")
+    print(f"{'arm':<16} {'median':>8} {'95% interval':>18}  per seed")
     for name, (cfg, learners) in arms(M, H_DEFAULT).items():
         if only and name not in only:
             continue
         losses = [run(cfg, learners, steps * M, seed, corpus) for seed in seeds]
         lo, hi = bootstrap(losses)
         rows[name] = {"losses": losses, "median": statistics.median(losses), "interval": [lo, hi]}
-        print(f"{name:<14} {rows[name]['median']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>18}  "
+        print(f"{name:<16} {rows[name]['median']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>18}  "
               + " ".join(f"{x:.3f}" for x in losses), flush=True)
     return rows
 

@@ -55,6 +55,10 @@ def main() -> int:
     p.add_argument("--uplink-codec", default="none")
     p.add_argument("--downlink-codec", default="none", help="only the syncer uses it; kept so configs are equal")
     p.add_argument("--held-out", type=Path)
+    p.add_argument("--desloc", action="store_true", help="DES-LOC: average Adam's moments too")
+    p.add_argument("--desloc-ku", type=int, default=None)
+    p.add_argument("--desloc-kv", type=int, default=None)
+    p.add_argument("--moments-codec", default="none")
     p.add_argument("--wrap", choices=("none", "ddp"), default="none", help="ddp: wrap the model in DDP (torchrun)")
     p.add_argument("--link", choices=("env", "plain"), default="env",
                    help="plain: ZmqLink(endpoint) as docs/multinode.md shows; env: ZmqLink.from_env")
@@ -72,10 +76,11 @@ def main() -> int:
         torch.distributed.init_process_group("gloo")
     ids = tuple(x for x in a.learners.split(",") if x)
     config = RackmendConfig(
-        schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),
+        schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau, desloc=a.desloc,
+                                desloc_ku=a.desloc_ku, desloc_kv=a.desloc_kv),
         syncer=SyncerConfig(min_quorum=max(1, len(ids)) if a.deterministic else 1, learners=ids),
         learner=LearnerConfig(wait_timeout=a.join_timeout, join_timeout=a.join_timeout),
-        compression=CompressionConfig(uplink=a.uplink_codec, downlink=a.downlink_codec),
+        compression=CompressionConfig(uplink=a.uplink_codec, downlink=a.downlink_codec, moments=a.moments_codec),
         deterministic=a.deterministic,
     )
     curve = None

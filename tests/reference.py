@@ -12,6 +12,16 @@ Compression, written out the same way (the codec classes only encode and decode)
 each learner keeps a residual per (fragment, tensor) and sends decode(encode(Δ + r)),
 keeping r = Δ + r - that; the syncer keeps a residual per (fragment, tensor) of the
 change its outer step made and sets θ = θ_old + decode(encode(change + r)).
+
+DES-LOC (``ScheduleConfig.desloc``), written out from the design: with a parameter send
+of fragment p at step t, a learner also sends Adam's ``exp_avg`` when (t - t_p) is a
+multiple of K_u (default 3H) and ``exp_avg_sq`` when it is a multiple of K_v (default
+6H): the state tensors of the fragment's parameters in order, zeros where there is no
+state yet, through the moments codec without feedback (decode(encode(m))). Once every
+learner has sent, the round's value is the weighted mean (the parameter merge's weights,
+from the counters at the send), sent as decode(encode(mean)); each learner overwrites
+its moments with it at t + tau, after the parameter values due then (a parameter without
+state is left without).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ class _Learner:
     sent: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor], int, float]] = field(default_factory=dict)
     residual: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     codec_state: dict[tuple[int, int], dict] = field(default_factory=dict)
+    moments_sent: dict[tuple[int, str], tuple[int, list[torch.Tensor], int, float]] = field(default_factory=dict)
 
 
 def _lossy_send(codec, residual: dict, state: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +68,7 @@ def reference_run(
     config: RackmendConfig,
     learner_ids: list[str],
     steps: int,
+    moments_out: dict[tuple[int, str], list[torch.Tensor]] | None = None,
     grad_ranks: dict[str, int] | None = None,
 ) -> tuple[dict[str, nn.Module], list[list[torch.Tensor]]]:
     """Returns each learner's final model and the global value of every fragment.
@@ -65,7 +77,8 @@ def reference_run(
     ranks that all see the learner's batch (FSDP2's reduce-scatter): their gradient is
     (g + ... + g) / k, k copies, as the rack computes it. For k = 1 or 2 that is g
     exactly; for k = 3 fl(fl(3g) / 3) can differ from g by an ulp, an op of the rack's
-    own inner step that this models so the comparison stays bit for bit."""
+    own inner step that this models so the comparison stays bit for bit.
+    ``moments_out`` (DES-LOC) receives the last averaged moments per (fragment, kind)."""
     sch, sc, lc = config.schedule, config.syncer, config.learner
     # "auto" written out here, not taken from the library: the reference runs in lockstep,
     # where it means overwrite.
@@ -78,6 +91,10 @@ def reference_run(
     up, down = config.compression.build_uplink(), config.compression.build_downlink()
     down_residual: dict[tuple[int, int], torch.Tensor] = {}
     down_state: dict[tuple[int, int], dict] = {}
+    H = sch.sync_every
+    periods = {"exp_avg": sch.desloc_ku or 3 * H, "exp_avg_sq": sch.desloc_kv or 6 * H} if sch.desloc else {}
+    moment_codec = config.compression.build_moments()
+    moments_out = {} if moments_out is None else moments_out
     learners: dict[str, _Learner] = {}
     for lid in sorted(learner_ids):
         model = copy.deepcopy(init)
@@ -126,6 +143,24 @@ def reference_run(
             else:
                 L.c_steps[p], L.c_tokens[p] = 0, 0.0
 
+    def trained(model: nn.Module, f) -> list[torch.Tensor]:
+        by_name = {n: (t, b) for n, t, b in model_tensors(model)}
+        return [by_name[n][0] for n in f.names if not by_name[n][1]]
+
+    def merge_moments(f, kind: str) -> None:
+        sent = [learners[i].moments_sent[(f.index, kind)] for i in sorted(learners)]
+        weights = [contribution_weight(sc.weighting, s[3], s[2]) for s in sent]
+        mean = merge_deltas([s[1] for s in sent], weights, "mean")
+        moments_out[(f.index, kind)] = [moment_codec.decode(moment_codec.encode(m)) for m in mean]
+
+    def apply_moments(f, kind: str) -> None:
+        for L in learners.values():
+            del L.moments_sent[(f.index, kind)]
+            for q, value in zip(trained(L.model, f), moments_out[(f.index, kind)]):
+                state = L.opt.state.get(q, {})
+                if kind in state:
+                    state[kind].copy_(value)
+
     for t in range(1, steps + 1):
         for lid, L in learners.items():
             x, y, tokens = batch(lid, t)
@@ -153,12 +188,28 @@ def reference_run(
                         delta = [_lossy_send(up, L.residual, L.codec_state, (f.index, i), d)
                                  for i, d in enumerate(delta)]
                     L.sent[f.index] = (t, snap, delta, L.c_steps[f.index], L.c_tokens[f.index])
+                    for kind, K in periods.items():
+                        if (t - f.offset) % K == 0:
+                            ms = [L.opt.state.get(q, {}).get(kind) for q in trained(L.model, f)]
+                            ms = [torch.zeros_like(q) if m is None else m.detach().clone()
+                                  for q, m in zip(trained(L.model, f), ms)]
+                            ms = [moment_codec.decode(moment_codec.encode(m)) for m in ms]
+                            L.moments_sent[(f.index, kind)] = (t, ms, L.c_steps[f.index], L.c_tokens[f.index])
         for f in frags:
             if all(f.index in L.sent and L.sent[f.index][0] + sch.overlap == t for L in learners.values()):
                 merge(f)
                 apply(f)
+        for f in frags:
+            for kind in periods:
+                key = (f.index, kind)
+                if all(key in L.moments_sent and L.moments_sent[key][0] + sch.overlap == t for L in learners.values()):
+                    merge_moments(f, kind)
+                    apply_moments(f, kind)
     # Sends in the last tau steps were merged by the syncer but never applied.
     for f in frags:
         if all(f.index in L.sent for L in learners.values()):
             merge(f)
+        for kind in periods:
+            if all((f.index, kind) in L.moments_sent for L in learners.values()):
+                merge_moments(f, kind)
     return {lid: L.model for lid, L in learners.items()}, theta

@@ -44,7 +44,7 @@ def _reference(ids: list[str], grad_ranks: dict[str, int] | None = None) -> dict
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU),
                             syncer=SyncerConfig(min_quorum=len(ids), learners=tuple(ids)), deterministic=True)
     torch.set_num_threads(1)
-    return reference_run(make_model, make_inner, batch, config, ids, STEPS, grad_ranks)[0]
+    return reference_run(make_model, make_inner, batch, config, ids, STEPS, grad_ranks=grad_ranks)[0]
 
 
 def _merges(tmp: Path, ids: list[str]) -> list[dict]:

@@ -43,6 +43,7 @@ __all__ = [
     "APPLY_RULES",
     "PACKINGS",
     "ANCHORINGS",
+    "MOMENT_CODECS",
     "OPTION",
     "OPTION_SCALE",
     "check_choice",
@@ -60,6 +61,9 @@ MERGES: tuple[str, ...] = typing.get_args(Merge)
 APPLY_RULES: tuple[str, ...] = typing.get_args(ApplyRule)
 PACKINGS: tuple[str, ...] = typing.get_args(Packing)
 ANCHORINGS: tuple[str, ...] = typing.get_args(Anchoring)
+
+MOMENT_CODECS: tuple[str, ...] = ("none", "bf16")
+"""Codecs DES-LOC's moments may travel with (``CompressionConfig.moments``)."""
 
 OPTION = "rackmend.option"
 """``dataclasses.field`` metadata key: the field's name as a ``rackmend syncer`` option
@@ -171,8 +175,48 @@ class ScheduleConfig:
     rack keeps its own statistics; the syncer's global model then has none). Must be
     the same on every learner (it changes the layout)."""
 
+    desloc: bool = False
+    """DES-LOC: also average the inner optimizer's moments across learners, Adam's
+    ``exp_avg`` every ``desloc_ku`` and ``exp_avg_sq`` every ``desloc_kv`` steps per
+    fragment (weighted mean with the weights of parameter merges, no outer step); each
+    learner overwrites its moments with the mean tau steps after sending them. Needs
+    ``torch.optim.Adam`` or ``AdamW`` (without ``amsgrad``) as the inner optimizer and a
+    single-process learner. Off by default: on the demo GPT (M=4, H=16) it made held-out
+    loss worse on all 3 seeds (median 2.343 against 2.303, one seed blew up to 3.42;
+    docs/benchmarks.md, "DES-LOC"). Every learner must use the same value. Wrong shows
+    as ``moments`` records missing from the syncer's log (off when meant on), or as a
+    loss that jumps after ``moments`` rounds and ``guard`` clips: with K_u < K_v a
+    learner divides the fleet's first moment by its own second moment, which is near
+    zero where its data are sparse (docs/tuning.md); set ``desloc_kv = desloc_ku``."""
+
+    desloc_ku: int | None = None
+    """K_u: inner steps between two averagings of a fragment's ``exp_avg`` (first
+    moment); None: 3 x sync_every. A multiple of ``sync_every``, so the moments leave
+    with a parameter send of the fragment and merge with the same weights. Too small
+    costs uplink (each send is as large as the fragment) for little gain; too large
+    lets the learners' momenta drift apart between averagings."""
+
+    desloc_kv: int | None = None
+    """K_v: inner steps between two averagings of a fragment's ``exp_avg_sq`` (second
+    moment); None: 6 x sync_every. A multiple of ``sync_every``. The second moment
+    changes slowly, so it can be averaged less often than the first."""
+
+    def moment_periods(self) -> tuple[int, int]:
+        """(K_u, K_v) with the defaults of ``desloc_ku`` and ``desloc_kv`` filled in."""
+        H = self.sync_every
+        return (self.desloc_ku if self.desloc_ku is not None else 3 * H,
+                self.desloc_kv if self.desloc_kv is not None else 6 * H)
+
     def validate(self) -> None:
         _check(self.sync_every >= 1, f"sync_every (H) must be >= 1, got {self.sync_every}")
+        for name in ("desloc_ku", "desloc_kv"):
+            k = getattr(self, name)
+            _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
+                   f"{name} must be a whole number of inner steps >= 1, or None for the default, got {k!r}")
+            _check(k is None or k % self.sync_every == 0,
+                   f"{name}={k} is not a multiple of sync_every (H)={self.sync_every}: moments leave with a "
+                   f"parameter send of their fragment; set {name} to a multiple of {self.sync_every} (or None "
+                   "for the default)")
         _check(self.num_fragments >= 1, f"num_fragments (P) must be >= 1, got {self.num_fragments}")
         _check(self.overlap >= 0, f"overlap (tau) must be >= 0, got {self.overlap}")
         _check(
@@ -478,9 +522,23 @@ class CompressionConfig:
     exactly what learners reconstruct, so every copy stays bit-identical. The syncer
     keeps the residual. Joins and resynchronisations always travel uncompressed."""
 
+    moments: str = field(default="none", metadata={OPTION: "moments_codec"})
+    """Codec of DES-LOC's moments (``ScheduleConfig.desloc``), both ways: ``none`` or
+    ``bf16``. Learners send their moments with it and the syncer sends the mean with it,
+    setting its own copy to exactly what learners decode. Values rather than changes
+    travel, so there is no error feedback. ``bf16`` halves the bytes at a relative error
+    of at most 0.4 % per value. The block-wise integer codecs are refused: they round
+    the small second moments of a block to zero, and Adam divides by their square root
+    (on the test model, one int8 round blew a learner's step up a thousandfold);
+    ``powersgd`` would turn second moments negative. Learners and the syncer must agree."""
+
     def validate(self) -> None:
-        for name in ("uplink", "downlink"):
+        for name in ("uplink", "downlink", "moments"):
             self._build(name)
+        _check(self._build("moments").name in MOMENT_CODECS,
+               f"compression.moments={self.moments!r} is not allowed for moments; use one of "
+               f"{', '.join(MOMENT_CODECS)}: integer codecs round small second moments to zero (Adam divides by "
+               "their square root) and powersgd turns them negative")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -496,8 +554,8 @@ class CompressionConfig:
             ) from None
 
     def require_float32(self, name: str, tensors: Iterable[tuple[str, torch.dtype]]) -> None:
-        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``
-        or ``downlink``) is lossy: codecs encode float32 only, and silently sending such
+        """ConfigError naming the first non-float32 tensor when codec ``name`` (``uplink``,
+        ``downlink`` or ``moments``) is lossy: codecs encode float32 only, and silently sending such
         tensors uncompressed would hide that the setting has no effect."""
         if self._build(name).lossless:
             return
@@ -514,6 +572,10 @@ class CompressionConfig:
     def build_downlink(self) -> Codec:
         """The codec the syncer encodes update deltas with."""
         return self._build("downlink")
+
+    def build_moments(self) -> Codec:
+        """The codec DES-LOC's moments travel with, both ways."""
+        return self._build("moments")
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,11 @@ It owns the rules of Decoupled DiLoCo's learner side (``../DESIGN.md`` §1):
   merged values of: ``RankLayout``, from ``rackmend.core.pieces``'s owner rule), the
   outer gradient over those pieces only, and which changes all ranks must agree on
   at a step (``ShareChanges``).
+- DES-LOC (``ScheduleConfig.desloc``): every K_u (K_v) steps, with a parameter send of
+  the fragment, take Adam's ``exp_avg`` (``exp_avg_sq``) of the fragment's parameters
+  (``TakeMoments``), send them with the fragment's counters (``SendMoments``), and
+  overwrite them with the syncer's weighted mean at t_send + tau (``ApplyMoments``;
+  in deterministic mode ``WaitForMoments`` there first).
 
 What does not live here: the clock (``now`` is passed in), the link to the syncer,
 collectives between ranks, device copies (the driver takes snapshots, through pinned
@@ -49,9 +54,9 @@ from typing import Mapping, Sequence, Union
 import torch
 
 from rackmend.codecs.feedback import FeedbackEncoder
-from rackmend.config import RackmendConfig
+from rackmend.config import ConfigError, RackmendConfig
 from rackmend.core.fragments import FragmentSpec, fragments_due
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankLayout, pieces_problem, plain_layout, wire_pieces
 
 __all__ = [
@@ -68,6 +73,13 @@ __all__ = [
     "ChangeAgreed",
     "ProbeMeasured",
     "TrainingResumed",
+    "MomentsTaken",
+    "MomentsAnswered",
+    "MomentState",
+    "TakeMoments",
+    "SendMoments",
+    "WaitForMoments",
+    "ApplyMoments",
     "LearnerEvent",
     "SetValue",
     "Rebase",
@@ -112,6 +124,8 @@ class InnerStepDone:
     ranks see equal batches)."""
     arrived: tuple[Update, ...] = ()
     """Updates the link received since the previous step, oldest first."""
+    moments: tuple[MomentUpdate, ...] = ()
+    """DES-LOC: averaged moments the link received since the previous step, oldest first."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +178,28 @@ class TrainingResumed:
     does not count as step time."""
 
 
+@dataclass(frozen=True)
+class MomentsTaken:
+    """DES-LOC: the moments asked for by ``TakeMoments``, one host tensor per parameter of
+    the fragment (``moment_spec``); zeros for a parameter the optimizer has no state of
+    yet (what Adam starts its moments from)."""
+
+    fragment: int
+    kind: str
+    pieces: Pieces
+
+
+@dataclass(frozen=True)
+class MomentsAnswered:
+    """DES-LOC: the averaged moments ``WaitForMoments`` asked for."""
+
+    fragment: int
+    kind: str
+    update: MomentUpdate
+
+
 LearnerEvent = Union[JoinedValue, InnerStepDone, SnapshotTaken, ApplyDue, WaitAnswered, ChangeAgreed, ProbeMeasured,
-                     TrainingResumed]
+                     TrainingResumed, MomentsTaken, MomentsAnswered]
 
 
 # ---------------------------------------------------------------------------- actions
@@ -281,7 +315,49 @@ class Log:
     message: str
 
 
-LearnerAction = Union[SetValue, Rebase, TakeSnapshot, SendFragment, WaitForVersion, ShareChanges, ApplyValue, Log]
+@dataclass(frozen=True)
+class TakeMoments:
+    """DES-LOC: copy the inner optimizer's ``kind`` moments of the fragment's parameters to
+    host memory and answer ``MomentsTaken``."""
+
+    fragment: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class SendMoments:
+    """DES-LOC: send ``contribution`` (moments of one kind of one fragment) to the syncer."""
+
+    contribution: MomentContribution
+    nbytes: int
+    """Bytes of moments: encoded bytes with a lossy moments codec."""
+
+
+@dataclass(frozen=True)
+class WaitForMoments:
+    """DES-LOC, deterministic mode: block until averaged ``kind`` moments of the fragment
+    newer than ``after_version`` (or of another syncer epoch than ``epoch``) arrive, then
+    answer ``MomentsAnswered``; fail with an error if ``deadline`` passes first."""
+
+    fragment: int
+    kind: str
+    after_version: int
+    epoch: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class ApplyMoments:
+    """DES-LOC: overwrite the inner optimizer's ``kind`` moments of the fragment's
+    parameters with ``update.tensors`` (in ``moment_spec`` order)."""
+
+    fragment: int
+    kind: str
+    update: MomentUpdate
+
+
+LearnerAction = Union[SetValue, Rebase, TakeSnapshot, SendFragment, WaitForVersion, ShareChanges, ApplyValue, Log,
+                      TakeMoments, SendMoments, WaitForMoments, ApplyMoments]
 
 
 # ------------------------------------------------------------------------------ state
@@ -295,6 +371,29 @@ class InFlight:
     """The host snapshot at the send, kept for ``keep_local``."""
     counts: tuple[int, float, float]
     """(c_steps, c_tokens, c_time) at the send: what the send carried."""
+
+
+@dataclass
+class MomentState:
+    """DES-LOC: one kind of moment of one fragment."""
+
+    kind: str
+    period: int
+    """K_u or K_v: inner steps between two sends."""
+    version: int = 0
+    """Version of the last averaged moments applied (0: none yet)."""
+    epoch: int = 0
+    """Syncer epoch of that version."""
+    in_flight: int | None = None
+    """t_send of the latest send not yet answered by applied moments."""
+    arrived: MomentUpdate | None = None
+    """The newest averaged moments received and not applied yet (they wait for t_send + tau)."""
+
+    def newer(self, upd: MomentUpdate, than: "MomentUpdate | None" = None) -> bool:
+        """Whether ``upd`` is newer than the moments applied (or than ``than``); versions of
+        two syncer epochs do not compare, so another epoch's counts as newer."""
+        version, epoch = (self.version, self.epoch) if than is None else (than.version, than.epoch)
+        return upd.epoch != epoch or upd.version > version
 
 
 @dataclass
@@ -390,6 +489,16 @@ class LearnerCore:
         Only the owner rank of a fragment encodes it (it is the only one sending)."""
         config.compression.require_float32("uplink", ((t.name, t.dtype) for f in fragments for t in f.tensors))
         self._snapshots_asked: set[int] = set()
+        self.moments: list[dict[str, MomentState]] = self._moment_states(fragments)
+        """DES-LOC: per fragment, the state of each moment kind averaged (empty when off)."""
+        self._moments_asked: set[tuple[int, str]] = set()
+        self._moment_specs = [moment_spec(f) for f in fragments]
+        moments = config.compression.build_moments()
+        self.moment_codec = None if moments.lossless else moments
+        """The lossy codec moments travel with, or None (no error feedback: values travel)."""
+        if self.moments:
+            config.compression.require_float32(
+                "moments", ((t.name, t.dtype) for f in self._moment_specs for t in f.tensors))
         self._waiting: int | None = None
         """The fragment of the latest ``WaitForVersion``, until answered. A wait that fails
         (the driver raises) is asked again at the next ``ApplyDue``."""
@@ -413,6 +522,10 @@ class LearnerCore:
             self._probe_measured(event)
         elif isinstance(event, TrainingResumed):
             self.ready_at = now
+        elif isinstance(event, MomentsTaken):
+            self._moments_taken(event, actions)
+        elif isinstance(event, MomentsAnswered):
+            self._moments_answered(event, now, actions)
         elif isinstance(event, JoinedValue):
             f = self._fragment(event.update.fragment)
             f.held = list(event.update.tensors)
@@ -441,6 +554,7 @@ class LearnerCore:
             "c_time": [f.c_time for f in self.fragments],
             "held": [[t.clone() for t in f.held] for f in self.fragments],
             "uplink": {} if self.uplink is None else self.uplink.state_dict(),
+            "moment_versions": [{k: [m.version, m.epoch] for k, m in ms.items()} for ms in self.moments],
         }
 
     def load_state_dict(self, state: Mapping) -> list[Rebase]:
@@ -472,6 +586,11 @@ class LearnerCore:
             else:
                 rebases.append(Rebase(f.index, old=list(held), new=f.held))
             f.in_flight = None
+        for ms, saved in zip(self.moments, state.get("moment_versions", ())):  # older saves lack them
+            for kind, (version, epoch) in saved.items():
+                if kind in ms:
+                    ms[kind].version, ms[kind].epoch = int(version), int(epoch)
+                    ms[kind].in_flight, ms[kind].arrived = None, None
         return rebases
 
     # ------------------------------------------------------------------ the step
@@ -487,7 +606,10 @@ class LearnerCore:
             self.rank_times.append(dt)
         for upd in event.arrived:
             self._absorb(upd, actions)
+        for mu in event.moments:
+            self._absorb_moments(mu)
         for p in fragments_due(self.step, self._specs, self.config.schedule.sync_every):
+            self._moments_due_to_send(p, actions)
             f = self.fragments[p]
             keep = self.rule == "keep_local"
             if f.owns or keep:
@@ -574,6 +696,7 @@ class LearnerCore:
                     return
                 continue  # applied on the first step after it arrives
             self._resolve(f, upd, actions)
+        self._apply_moments_due(now, actions)
 
     def _share_due(self, now: float, actions: list[LearnerAction]) -> None:
         changes = [Change.NONE] * len(self.fragments)
@@ -677,6 +800,97 @@ class LearnerCore:
         f.merge_gain = gain
         if math.isfinite(gain):  # a non-finite probe is the user's to see, not the syncer's
             f.gain_to_report = gain
+
+    # ------------------------------------------------------------------ DES-LOC
+    def _moment_states(self, fragments: Sequence[FragmentSpec]) -> list[dict[str, MomentState]]:
+        sch = self.config.schedule
+        if not sch.desloc:
+            return []
+        if self.world_size > 1:
+            raise ConfigError(
+                f"DES-LOC (ScheduleConfig.desloc) needs a single-process learner, but this one has "
+                f"{self.world_size} ranks: the averaged moments would reach one rank's optimizer only. Turn "
+                "desloc off for multi-rank learners")
+        ku, kv = sch.moment_periods()
+        return [{"exp_avg": MomentState("exp_avg", ku), "exp_avg_sq": MomentState("exp_avg_sq", kv)}
+                for _ in fragments]
+
+    def _moments_due_to_send(self, p: int, actions: list[LearnerAction]) -> None:
+        """With fragment p's parameter send after this step: the moment kinds due too."""
+        if not self.moments:
+            return
+        offset = self._specs[p].offset
+        for kind in MOMENT_KINDS:
+            ms = self.moments[p][kind]
+            if (self.step - offset) % ms.period == 0:
+                self._moments_asked.add((p, kind))
+                actions.append(TakeMoments(p, kind))
+
+    def _moments_taken(self, event: MomentsTaken, actions: list[LearnerAction]) -> None:
+        key = (event.fragment, event.kind)
+        if key not in self._moments_asked:
+            raise RuntimeError(f"moments {event.kind} of fragment {event.fragment} came in, but none were asked "
+                               "for (TakeMoments)")
+        self._moments_asked.discard(key)
+        p, spec = event.fragment, self._moment_specs[event.fragment]
+        if len(event.pieces) != len(spec.tensors):
+            raise ValueError(f"the {event.kind} moments of fragment {p} have {len(event.pieces)} pieces, the "
+                             f"fragment has {len(spec.tensors)} parameters")
+        tensors = tuple(event.pieces)
+        encoded = None
+        nbytes = spec.nbytes
+        if self.moment_codec is not None:
+            encoded = tuple(self.moment_codec.encode(t) for t in tensors)
+            tensors = tuple(self.moment_codec.decode(e) for e in encoded)  # what the syncer averages
+            nbytes = sum(e.nbytes() for e in encoded)
+        f, ms = self.fragments[p], self.moments[p][event.kind]
+        ms.in_flight = self.step
+        actions.append(SendMoments(MomentContribution(
+            learner_id=self.learner_id, fragment=p, kind=event.kind, base_version=ms.version, base_epoch=ms.epoch,
+            step=self.step, c_steps=f.c_steps, c_tokens=f.c_tokens, tensors=tensors, encoded=encoded,
+            rank=self.rank), nbytes))
+
+    def _absorb_moments(self, upd: MomentUpdate) -> None:
+        if not self.moments:
+            raise RuntimeError(f"averaged moments of fragment {upd.fragment} arrived, but DES-LOC is off here")
+        ms = self._fragment_moments(upd.fragment, upd.kind)
+        if ms.newer(upd) and (ms.arrived is None or ms.newer(upd, ms.arrived)):
+            ms.arrived = upd  # applied at t_send + tau of this learner's own send, like a parameter value
+
+    def _apply_moments_due(self, now: float, actions: list[LearnerAction]) -> None:
+        """After the parameter values due now: overwrite the moments due (t >= t_send + tau),
+        in fragment and kind order; in deterministic mode wait for them."""
+        tau = self.config.schedule.overlap
+        for p, states in enumerate(self.moments):
+            for kind in MOMENT_KINDS:
+                ms = states[kind]
+                if ms.in_flight is None or self.step < ms.in_flight + tau:
+                    continue
+                if ms.arrived is not None:
+                    self._apply_moments(p, ms, ms.arrived, actions)
+                elif self.config.deterministic:
+                    actions.append(WaitForMoments(p, kind, ms.version, ms.epoch,
+                                                  now + self.config.learner.wait_timeout))
+                    return
+
+    def _moments_answered(self, event: MomentsAnswered, now: float, actions: list[LearnerAction]) -> None:
+        ms = self._fragment_moments(event.fragment, event.kind)
+        upd = event.update
+        if (upd.fragment, upd.kind) != (event.fragment, event.kind) or not ms.newer(upd):
+            raise RuntimeError(f"MomentsAnswered for {event.kind} of fragment {event.fragment} with {upd.kind} of "
+                               f"fragment {upd.fragment}, version {upd.version}; version {ms.version} is held")
+        self._apply_moments(event.fragment, ms, upd, actions)
+        self._apply_moments_due(now, actions)
+
+    def _apply_moments(self, p: int, ms: MomentState, upd: MomentUpdate, actions: list[LearnerAction]) -> None:
+        ms.version, ms.epoch = upd.version, upd.epoch
+        ms.in_flight, ms.arrived = None, None
+        actions.append(ApplyMoments(p, ms.kind, upd))
+
+    def _fragment_moments(self, p: int, kind: str) -> MomentState:
+        if kind not in MOMENT_KINDS:
+            raise ValueError(f"moment kind {kind!r} is not one of {', '.join(MOMENT_KINDS)}")
+        return self.moments[self._fragment(p).index][kind]
 
     def _fragment(self, p: int) -> FragmentState:
         if not 0 <= p < len(self.fragments):

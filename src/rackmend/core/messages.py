@@ -12,8 +12,12 @@ import torch
 
 from rackmend.codecs.base import Encoded
 from rackmend.core.pieces import Piece
+from rackmend.core.fragments import FragmentSpec
 
-__all__ = ["Contribution", "Update"]
+MOMENT_KINDS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+"""What DES-LOC averages: Adam's first and second moment (its state keys)."""
+
+__all__ = ["Contribution", "Update", "MomentContribution", "MomentUpdate", "MOMENT_KINDS", "moment_spec"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,58 @@ class Update:
     """With a lossy downlink codec: the change from version - 1 as encoded, which a
     network transport ships instead of ``tensors`` (full value = value of version - 1
     + decode(delta), bit for bit equal to ``tensors``). None: send ``tensors``."""
+
+
+def moment_spec(fragment: FragmentSpec) -> FragmentSpec:
+    """The layout of fragment ``fragment``'s moments: its parameters (not its buffers,
+    which no optimizer steps), in the fragment's order, each moment shaped and typed
+    like its parameter (as torch's Adam keeps them)."""
+    return FragmentSpec(fragment.index, fragment.offset, tuple(t for t in fragment.tensors if not t.is_buffer))
+
+
+@dataclass(frozen=True)
+class MomentContribution:
+    """DES-LOC: a learner's optimizer moments of one kind for one fragment's parameters."""
+
+    learner_id: str
+    fragment: int
+    kind: str
+    """``exp_avg`` or ``exp_avg_sq`` (``MOMENT_KINDS``)."""
+    base_version: int
+    """Version of the last averaged moments of this (fragment, kind) the learner applied
+    (0: none yet). Rounds count only contributions based on the current version."""
+    step: int
+    """The learner's inner-step count when it sent."""
+    c_steps: int
+    """The fragment's step counter at the send: the same as its parameter send's, so the
+    merge weight is the same."""
+    c_tokens: float
+    """The fragment's token counter at the send."""
+    tensors: tuple[torch.Tensor, ...]
+    """One tensor per parameter of the fragment (``moment_spec``); with a lossy moments
+    codec, the decoded values (what the syncer averages)."""
+    encoded: tuple[Encoded, ...] | None = None
+    """The encoded values a network transport ships; None: uncompressed."""
+    base_epoch: int = 0
+    """Epoch of the syncer run whose moments ``base_version`` names."""
+    session: int = 0
+    """As ``Contribution.session`` (set by network transports)."""
+    seq: int = 0
+    """As ``Contribution.seq``, counted per (fragment, kind)."""
+    rank: int = 0
+    """The learner rank that sent it."""
+
+
+@dataclass(frozen=True)
+class MomentUpdate:
+    """DES-LOC: the weighted mean of the learners' moments of one kind for one fragment."""
+
+    fragment: int
+    kind: str
+    version: int
+    tensors: tuple[torch.Tensor, ...]
+    """Full values (what learners overwrite their moments with); shared, do not modify."""
+    epoch: int = 0
+    """The syncer run that made it (``Update.epoch``)."""
+    encoded: tuple[Encoded, ...] | None = None
+    """With a lossy moments codec: the values as encoded (``tensors`` is their decoding)."""

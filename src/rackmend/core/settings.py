@@ -2,7 +2,8 @@
 
 A learner and the syncer that disagree on tau, on deterministic mode or on the
 downlink codec still exchange well-formed messages, so nothing would fail: rounds
-would just be timed or applied wrongly. Learners therefore state these settings at
+would just be timed or applied wrongly. The same holds for DES-LOC (whether moments
+are averaged, how often, and their codec). Learners therefore state these settings at
 ``hello`` and the syncer refuses a mismatch by name. H and P decide when each fragment
 is sent; the syncer has no value of its own for them, so every learner must use the
 one the first learner used. The uplink codec may differ: each message names its codec.
@@ -39,18 +40,34 @@ class LearnerSettings:
     apply: str = "overwrite"
     """``RackmendConfig.apply_rule()``: the syncer's grace window depends on it. The
     default is what learners did before it was reported (checkpoints of that time)."""
+    desloc: bool = False
+    """``ScheduleConfig.desloc``: whether the run averages optimizer moments."""
+    desloc_ku: int = 0
+    """K_u (``ScheduleConfig.moment_periods``); 0 with DES-LOC off."""
+    desloc_kv: int = 0
+    """K_v; 0 with DES-LOC off."""
+    moments: str = "none"
+    """``CompressionConfig.moments`` spec string."""
 
     @classmethod
     def from_config(cls, config: RackmendConfig) -> "LearnerSettings":
         sch, comp = config.schedule, config.compression
+        ku, kv = sch.moment_periods() if sch.desloc else (0, 0)
         return cls(sync_every=sch.sync_every, num_fragments=sch.num_fragments, overlap=sch.overlap,
                    deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink,
-                   apply=config.apply_rule())
+                   apply=config.apply_rule(), desloc=sch.desloc, desloc_ku=ku, desloc_kv=kv,
+                   moments=comp.moments)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "num_fragments": self.num_fragments, "overlap": self.overlap,
-                "deterministic": self.deterministic, "uplink": self.uplink, "downlink": self.downlink,
-                "apply": self.apply}
+        out: dict[str, Any] = {
+            "sync_every": self.sync_every, "num_fragments": self.num_fragments, "overlap": self.overlap,
+            "deterministic": self.deterministic, "uplink": self.uplink, "downlink": self.downlink,
+            "apply": self.apply}
+        if self.desloc:
+            # Only with DES-LOC on: a learner without it then says hello exactly as before
+            # it existed, and a syncer that predates DES-LOC refuses one that needs it.
+            out.update(desloc=True, desloc_ku=self.desloc_ku, desloc_kv=self.desloc_kv, moments=self.moments)
+        return out
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,11 @@ def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RunConfig) -> M
             f"downlink codec differs: learner {learner_id} has compression.downlink={s.downlink!r}, the syncer "
             f"sends {down!r}. Start the syncer with --downlink-codec {s.downlink}, or set "
             f"CompressionConfig(downlink={down!r}) on the learner"))
+    if s.desloc and not same_codec(s.moments, config.compression.moments):
+        return Mismatch("moments", s.moments, config.compression.moments, (
+            f"moments codec differs: learner {learner_id} has compression.moments={s.moments!r}, the syncer "
+            f"sends averaged moments with {config.compression.moments!r}. Start the syncer with --moments-codec "
+            f"{s.moments}, or set CompressionConfig(moments={config.compression.moments!r}) on the learner"))
     return None
 
 
@@ -104,6 +126,13 @@ def peer_mismatch(learner_id: str, s: LearnerSettings, first_id: str, first: Lea
             f"{first.apply!r} (set by learner {first_id}, the first to join), and the syncer's grace window "
             f"depends on it. Set LearnerConfig(apply={first.apply!r}) on {learner_id} (or leave every learner "
             "at the default 'auto')"))
+    if (s.desloc, s.desloc_ku, s.desloc_kv) != (first.desloc, first.desloc_ku, first.desloc_kv):
+        mine = f"desloc={s.desloc}, K_u={s.desloc_ku}, K_v={s.desloc_kv}"
+        theirs = f"desloc={first.desloc}, K_u={first.desloc_ku}, K_v={first.desloc_kv}"
+        return Mismatch("desloc", mine, theirs, (
+            f"DES-LOC settings differ: learner {learner_id} has {mine}, but the run uses {theirs} (set by learner "
+            f"{first_id}, the first to join); moment rounds need every learner's moments on the same steps. Set "
+            f"ScheduleConfig(desloc=..., desloc_ku=..., desloc_kv=...) on {learner_id} to the run's values"))
     for name, field, letter in (("sync_every", "sync_every", "H"), ("num_fragments", "num_fragments", "P")):
         mine, theirs = getattr(s, field), getattr(first, field)
         if mine != theirs:

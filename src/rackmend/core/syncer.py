@@ -48,7 +48,8 @@ from rackmend.core.failslow import (
 )
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
+from rackmend.core.moments import MomentKey, MomentRounds
 
 __all__ = [
     "SyncerCore",
@@ -59,7 +60,9 @@ __all__ = [
     "SyncTimed",
     "Tick",
     "FinalMerge",
+    "MomentsArrived",
     "SendUpdate",
+    "SendMomentUpdate",
     "LogRecord",
     "Event",
     "Action",
@@ -84,14 +87,15 @@ WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_drop
 """Log events that mean a run is probably wrong; drivers log them at WARNING level."""
 
 RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
-                     "non_finite", "replay", "norm_overflow"]
+                     "non_finite", "replay", "norm_overflow", "moments_off", "negative"]
 """Why a contribution was refused, as a fixed word (the ``code`` of a ``reject`` record,
 beside its ``reason`` sentence): what metrics count by, since a sentence names values.
 unknown_fragment, not_joined; layout (tensors unlike the fragment's); counters
 (negative or NaN) and bounds (beyond ``MAX_*``); epoch (based on a value of another
 syncer run); ahead (a base version the syncer never made); stale (more than
 ``max_staleness`` versions behind); non_finite; replay (or an older send than one
-accepted); norm_overflow."""
+accepted); norm_overflow; moments_off (DES-LOC moments in a run without DES-LOC);
+negative (a negative second moment)."""
 
 REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
 """Every ``RejectCode``, in order."""
@@ -191,7 +195,15 @@ class FinalMerge:
     in the global value (and in the checkpoint written after this)."""
 
 
-Event = Union[LearnerJoined, LearnerLeft, ExpectationChanged, ContributionArrived, SyncTimed, Tick, FinalMerge]
+@dataclass(frozen=True)
+class MomentsArrived:
+    """DES-LOC: a learner's optimizer moments of one kind for one fragment."""
+
+    contribution: MomentContribution
+
+
+Event = Union[LearnerJoined, LearnerLeft, ExpectationChanged, ContributionArrived, SyncTimed, Tick, FinalMerge,
+              MomentsArrived]
 
 
 # ---------------------------------------------------------------------------- actions
@@ -212,7 +224,15 @@ class LogRecord:
     record: dict
 
 
-Action = Union[SendUpdate, LogRecord, FailSlowAction]
+@dataclass(frozen=True)
+class SendMomentUpdate:
+    """DES-LOC: send the averaged moments ``update`` to each learner in ``to``."""
+
+    update: MomentUpdate
+    to: tuple[str, ...]
+
+
+Action = Union[SendUpdate, LogRecord, FailSlowAction, SendMomentUpdate]
 """Fail-slow actions come with a ``failslow_*`` log record; a driver that only logs can
 ignore them (the core applied their effect on membership already), a network driver
 sends ``AdviseLearner`` reports to the learner."""
@@ -411,6 +431,8 @@ class SyncerCore:
         self._failslow_resumed: set[str] = set()
         """Learners whose fail-slow state came from a checkpoint and who have not sent
         since: their (re)join after a syncer restart keeps that state."""
+        self.moments = MomentRounds(config, self.fragments, epoch)
+        """DES-LOC's moment rounds (``rackmend.core.moments``); idle unless the run has it on."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -451,6 +473,8 @@ class SyncerCore:
             self.xi_sync.add(max(0.0, event.seconds))
         elif isinstance(event, FinalMerge):
             self._final_merge(now, actions)
+        elif isinstance(event, MomentsArrived):
+            self._accept_moments(event.contribution, now, actions)
         else:
             raise TypeError(f"unknown event {event!r}")
         return actions
@@ -458,6 +482,9 @@ class SyncerCore:
     def next_deadline(self) -> float | None:
         """Earliest time a grace window expires, or None when nothing waits on time."""
         deadlines = [r.deadline for r in self.rounds if r.deadline is not None]
+        moments = self.moments.next_deadline()
+        if moments is not None:
+            deadlines.append(moments)
         return min(deadlines) if deadlines else None
 
     def grace(self) -> float:
@@ -547,6 +574,9 @@ class SyncerCore:
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
                 tensors[f"downlink/{name}"] = t
+        if self.moments.enabled:
+            moment_tensors, meta["moments"] = self.moments.state_dict()
+            tensors.update(moment_tensors)
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -615,6 +645,8 @@ class SyncerCore:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
                 {k.removeprefix("downlink/"): v for k, v in tensors.items() if k.startswith("downlink/")})
+        if self.moments.enabled and "moments" in meta:
+            self.moments.load_state_dict(tensors, meta["moments"])
 
     # ------------------------------------------------------------------ internals
     def _log(self, now: float, event: str, **fields: object) -> LogRecord:
@@ -863,6 +895,9 @@ class SyncerCore:
             fresh = {lid for lid, c in rnd.pending.items() if c.base_version == self.versions[p]}
             if expected <= fresh:
                 self._merge(p, now, actions, cause="leave")
+        for key in self.moments.pending_keys():
+            if self.moments.due(key, now, expected, self.grace, leave=True):
+                self._merge_moments(key, now, actions)
 
     def _final_merge(self, now: float, actions: list[Action]) -> None:
         pending = {p: sorted(rnd.pending) for p, rnd in enumerate(self.rounds) if rnd.pending}
@@ -870,10 +905,79 @@ class SyncerCore:
                                  learners={str(p): ids for p, ids in pending.items()}))
         for p in pending:
             self._merge(p, now, actions, cause="final")
+        for key in self.moments.pending_keys():
+            self._merge_moments(key, now, actions)
 
     def _close_all_due(self, now: float, actions: list[Action]) -> None:
         for p in range(len(self.fragments)):
             self._maybe_close(p, now, actions)
+        for key in self.moments.pending_keys():
+            if self.moments.due(key, now, self.expected_learners(), self.grace):
+                self._merge_moments(key, now, actions)
+
+    # ------------------------------------------------------------------ DES-LOC
+    def _accept_moments(self, c: MomentContribution, now: float, actions: list[Action]) -> None:
+        """Check a moment contribution like a parameter one, add it to its round and
+        close the round if it is due."""
+        problem = self._moment_problem(c)
+        if problem is not None:
+            code, reason = problem
+            self.rejected += 1
+            actions.append(self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, kind=c.kind,
+                                     code=code, reason=reason))
+            return
+        for note in self.moments.accept(c, now):
+            actions.append(self._log(now, "superseded", **note))
+        key = (c.fragment, c.kind)
+        if self.moments.due(key, now, self.expected_learners(), self.grace):
+            self._merge_moments(key, now, actions)
+
+    def _moment_problem(self, c: MomentContribution) -> tuple[RejectCode, str] | None:
+        """(reject code, reason) when moment contribution ``c`` cannot be accepted."""
+        mr = self.moments
+        if not mr.enabled:
+            return "moments_off", ("DES-LOC moments arrived, but this run has DES-LOC off (the first learner's "
+                                   "ScheduleConfig.desloc); set the same desloc on every learner")
+        if not 0 <= c.fragment < len(self.fragments):
+            return "unknown_fragment", f"unknown fragment {c.fragment}"
+        if (c.fragment, c.kind) not in mr.versions:
+            return "layout", f"moment kind {c.kind[:30]!r} is not exp_avg or exp_avg_sq"
+        m = self.members.get(c.learner_id)
+        if m is None or not m.connected:
+            return "not_joined", "learner has not joined"
+        problem = self._check_tensors(mr.specs[c.fragment], c.tensors)
+        if problem:
+            return "layout", f"{c.kind} moments: {problem}"
+        if c.c_steps < 0 or not c.c_tokens >= 0:
+            return "counters", "negative or NaN counters"
+        if c.c_steps > MAX_C_STEPS or not c.c_tokens <= MAX_TOKENS_PER_STEP * max(c.c_steps, 1):
+            return "bounds", (f"c_steps {c.c_steps} or c_tokens {c.c_tokens:g} beyond MAX_C_STEPS={MAX_C_STEPS} or "
+                              f"MAX_TOKENS_PER_STEP={MAX_TOKENS_PER_STEP:g} per step")
+        version = mr.versions[(c.fragment, c.kind)]
+        if c.base_epoch == self.epoch and c.base_version > version:
+            return "ahead", f"{c.kind} moments based on version {c.base_version}, the syncer's is {version}"
+        if not all(_finite(t) for t in c.tensors):
+            return "non_finite", f"non-finite {c.kind} moments (NaN or Inf)"
+        if c.kind == "exp_avg_sq" and any(t.numel() and bool((t < 0).any()) for t in c.tensors):
+            return "negative", "negative exp_avg_sq moments (a second moment is a mean of squares)"
+        if c.seq > 0:
+            last = mr.sequences.get((c.learner_id, c.fragment, c.kind))
+            if last is not None and last[0] == c.session and c.seq <= last[1]:
+                return "replay", f"replay or older send: {c.kind} seq {c.seq}, seq {last[1]} was accepted already"
+        return None
+
+    def _merge_moments(self, key: MomentKey, now: float, actions: list[Action]) -> None:
+        merged = self.moments.merge(key, now)
+        if merged is None:
+            actions.append(self._log(
+                now, "merge_dropped", fragment=key[0], kind=key[1], version=self.moments.versions[key],
+                reason=(f"fragment {key[0]}: the mean of the {key[1]} moments is not finite; the round was dropped "
+                        "and the learners keep their own")))
+            return
+        upd, fields = merged
+        to = self.connected_learners()
+        actions.append(SendMomentUpdate(upd, to))
+        actions.append(self._log(now, "moments", **fields, bytes_out=self.moments.update_nbytes(upd) * len(to)))
 
     def _maybe_close(self, p: int, now: float, actions: list[Action]) -> None:
         """Quorum and early finish count only fresh contributions (based on the current

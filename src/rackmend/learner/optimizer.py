@@ -37,6 +37,7 @@ from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, pack_fragments
 from rackmend.core.learner import (
     ApplyDue,
+    ApplyMoments,
     ApplyValue,
     Change,
     ChangeAgreed,
@@ -45,18 +46,23 @@ from rackmend.core.learner import (
     LearnerAction,
     LearnerCore,
     Log,
+    MomentsAnswered,
+    MomentsTaken,
     ProbeMeasured,
     Rebase,
     SendFragment,
+    SendMoments,
     SetValue,
     ShareChanges,
     SnapshotTaken,
+    TakeMoments,
     TakeSnapshot,
     TrainingResumed,
     WaitAnswered,
+    WaitForMoments,
     WaitForVersion,
 )
-from rackmend.core.messages import Update
+from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.pieces import RackPieces
 from rackmend.learner.tensorboard import LearnerScalars
@@ -159,6 +165,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
                                 world_size=self.world_size, layout=self._pieces.layout)
         """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
+        self._moment_params = self._check_desloc()
+        """DES-LOC: per fragment, its parameters (``moment_spec`` order); empty when off."""
         self._clock: Callable[[], float] = time.perf_counter
         self._rebased: list[tuple[torch.Tensor, int]] | None = None
         """Set by load_state_dict when it rebased: each tensor and its version counter then."""
@@ -373,7 +381,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if self._poll_advice is not None:
             for report in self._poll_advice():
                 self.on_fail_slow(report)
-        self._run(core.handle(InnerStepDone(tokens, tuple(self.link.poll())), now))
+        moments = tuple(self.link.poll_moments()) if self._moment_params else ()  # type: ignore[attr-defined]
+        self._run(core.handle(InnerStepDone(tokens, tuple(self.link.poll()), moments), now))
         self._run(core.handle(ApplyDue(), self._clock()))
         core.handle(TrainingResumed(), self._clock())
 
@@ -398,6 +407,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 self._share(a)
             elif isinstance(a, Log):
                 log.log(a.level, "learner %s: %s", self.learner_id, a.message)
+            elif isinstance(a, TakeMoments):
+                self._run(self.core.handle(MomentsTaken(a.fragment, a.kind, self._take_moments(a)), self._clock()))
+            elif isinstance(a, SendMoments):
+                self.link.send_moments(a.contribution)  # type: ignore[attr-defined]
+                self.bytes_sent += a.nbytes
+            elif isinstance(a, WaitForMoments):
+                self._run(self.core.handle(MomentsAnswered(a.fragment, a.kind, self._wait_moments(a)), self._clock()))
+            elif isinstance(a, ApplyMoments):
+                self._apply_moments(a)
             else:
                 raise TypeError(f"unknown learner action {a!r}")
 
@@ -454,6 +472,68 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 f"{self.config.learner.wait_timeout}s in deterministic mode (is every listed learner running? "
                 "raise learner.wait_timeout if merges are legitimately slower)"
             )
+        return upd
+
+    # ---------------------------------------------------------------- DES-LOC
+    def _check_desloc(self) -> list[list[torch.Tensor]]:
+        """The parameters whose moments DES-LOC averages, per fragment; ConfigError when
+        the inner optimizer or the link cannot do it. Empty with DES-LOC off."""
+        if not self.config.schedule.desloc:
+            return []
+        inner = self.inner
+        if not isinstance(inner, torch.optim.Adam):  # AdamW is a subclass
+            raise ConfigError(
+                f"DES-LOC (ScheduleConfig.desloc) averages Adam's moments, but the inner optimizer is "
+                f"{type(inner).__module__}.{type(inner).__qualname__}; use torch.optim.Adam or AdamW as the inner "
+                "optimizer, or turn desloc off")
+        if any(g.get("amsgrad") for g in inner.param_groups):
+            raise ConfigError(
+                "DES-LOC (ScheduleConfig.desloc) cannot be used with Adam(amsgrad=True): its running maximum "
+                "max_exp_avg_sq would no longer bound the averaged exp_avg_sq; use amsgrad=False or turn desloc off")
+        missing = [name for name in ("send_moments", "poll_moments", "wait_moments") if not hasattr(self.link, name)]
+        if missing:
+            raise ConfigError(f"DES-LOC (ScheduleConfig.desloc) needs a link that carries moments, but "
+                              f"{type(self.link).__name__} lacks {', '.join(missing)}; use ZmqLink or InProcessLink")
+        # The model's own parameters, not the detached blocks in ``_params``: the inner
+        # optimizer keys its state by parameter.
+        return [[t for t, spec in zip(ts, frag.tensors) if not spec.is_buffer]
+                for ts, frag in zip(fragment_tensors(self.model, self.fragments), self.fragments)]
+
+    def _take_moments(self, action: TakeMoments) -> list[torch.Tensor]:
+        """Host copies of the inner optimizer's ``kind`` moments of the fragment's
+        parameters; zeros where it has none yet (a parameter never stepped: Adam starts
+        its moments from zeros)."""
+        out = []
+        for param in self._moment_params[action.fragment]:
+            moment = self.inner.state.get(param, {}).get(action.kind)
+            out.append(torch.zeros(param.shape, dtype=param.dtype) if moment is None
+                       else moment.detach().to("cpu", copy=True))
+        return out
+
+    @torch.no_grad()
+    def _apply_moments(self, action: ApplyMoments) -> None:
+        """Overwrite the moments with the syncer's mean. A parameter the optimizer has no
+        state for yet keeps none: creating moments at Adam's step 0 would make its bias
+        correction amplify them at the first step."""
+        for param, value in zip(self._moment_params[action.fragment], action.update.tensors):
+            moment = self.inner.state.get(param, {}).get(action.kind)
+            if moment is None:
+                log.debug("learner %s: no %s yet for a parameter of fragment %d; averaged moments skipped",
+                          self.learner_id, action.kind, action.fragment)
+                continue
+            moment.copy_(value.to(moment.device, non_blocking=True))
+
+    def _wait_moments(self, action: WaitForMoments) -> MomentUpdate:
+        t0 = self._clock()
+        upd = self.link.wait_moments(action.fragment, action.kind, action.after_version,  # type: ignore[attr-defined]
+                                     action.epoch, max(0.0, action.deadline - t0))
+        self.blocked_seconds += self._clock() - t0
+        if upd is None:
+            raise TransportError(
+                f"learner {self.learner_id}: no averaged {action.kind} moments for fragment {action.fragment} within "
+                f"{self.config.learner.wait_timeout}s in deterministic mode (is every listed learner running with "
+                "the same ScheduleConfig.desloc settings? a merge_dropped record in the syncer's log names a round "
+                "it dropped; raise learner.wait_timeout if merges are slower)")
         return upd
 
     def _snapshot(self, p: int) -> list[torch.Tensor]:

@@ -46,6 +46,8 @@ from rackmend.core.syncer import (
     LearnerJoined,
     LearnerLeft,
     LogRecord,
+    MomentsArrived,
+    SendMomentUpdate,
     SendUpdate,
     SyncerCore,
     SyncTimed,
@@ -555,6 +557,9 @@ class SyncerService:
                 box.ack(wire.parse_ack(msg, len(self.core.fragments)))
                 self._flush(ident)
             return
+        if msg.type == "moments":
+            self._moments(ident, peer, msg)
+            return
         assert msg.type == "contrib" and self.core is not None
         contribution = wire.parse_contribution(msg, self.core.fragments)
         self._send(ident, wire.ack_frames(contribution.fragment), droppable=True)  # received, whatever the core decides
@@ -570,6 +575,14 @@ class SyncerService:
         stats.based[p] = (contribution.base_version, self.core.versions[p] - contribution.base_version)
         self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
         self._drive(ContributionArrived(contribution))
+
+    def _moments(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
+        """DES-LOC: a learner's moments, checked on the wire and then by the core."""
+        assert self.core is not None
+        c = wire.parse_moments(msg, self.core.fragments)
+        if not peer.owns(c.fragment):
+            raise wire.WireError(f"moments: rank {peer.rank} of {peer.world} does not own fragment {c.fragment}")
+        self._drive(MomentsArrived(c))
 
     def _hello(self, ident: bytes, msg: wire.Message, admitted: bool = False) -> None:
         """``admitted``: a sharded learner's rank whose ranks have all said hello and
@@ -852,7 +865,8 @@ class SyncerService:
         schedule, learner = run.schedule, LearnerConfig()
         if settings is not None:
             schedule = ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
-                                      overlap=run.schedule.overlap)
+                                      overlap=run.schedule.overlap, desloc=settings.desloc,
+                                      desloc_ku=settings.desloc_ku or None, desloc_kv=settings.desloc_kv or None)
             learner = LearnerConfig(apply=settings.apply)
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
@@ -897,6 +911,12 @@ class SyncerService:
                     self._last_merge[action.record["fragment"]] = {
                         "t": action.record["t"], "version": action.record["version"],
                         "merged": list(action.record["merged"])}
+            elif isinstance(action, SendMomentUpdate):
+                frames = None
+                for ident, peer in self.peers.items():
+                    if peer.learner_id in action.to and peer.owns(action.update.fragment):
+                        frames = frames or wire.moments_update_frames(action.update)
+                        self._send(ident, list(frames))
             elif isinstance(action, AdviseLearner):
                 self.metrics.failslow(action)
                 frames = wire.fail_slow_frames(action.report)

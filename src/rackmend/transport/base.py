@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import Contribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
 from rackmend.core.settings import LearnerSettings
 
@@ -70,8 +70,10 @@ class LearnerLink(Protocol):
 
 class QueueLink:
     """The receiving half shared by links whose updates land in a ``queue.Queue``:
-    ``poll`` and ``wait`` with updates for other fragments held back, never lost; and
-    ``poll_advice`` for the syncer's fail-slow reports about this learner."""
+    ``poll`` and ``wait`` with updates for other fragments held back, never lost;
+    ``poll_advice`` for the syncer's fail-slow reports about this learner; and, for
+    DES-LOC, ``poll_moments`` and ``wait_moments`` over averaged moments, which land in a
+    queue of their own (a carrier puts them in ``_moment_box``)."""
 
     def __init__(self, alive: Callable[[], BaseException | None]) -> None:
         self._box: "queue.Queue[Update]" = queue.Queue()
@@ -79,6 +81,38 @@ class QueueLink:
         self._alive = alive
         """Returns the carrier's failure, or None while it works."""
         self._advice: "queue.Queue[FailSlowReport]" = queue.Queue()
+        self._moment_box: "queue.Queue[MomentUpdate]" = queue.Queue()
+        self._moments_held_back: list[MomentUpdate] = []
+
+    def poll_moments(self) -> list[MomentUpdate]:
+        """DES-LOC: averaged moments that arrived since the last call, oldest first; never blocks."""
+        out, self._moments_held_back = self._moments_held_back, []
+        while True:
+            try:
+                out.append(self._moment_box.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_moments(self, fragment: int, kind: str, after_version: int, epoch: int,
+                     timeout: float) -> MomentUpdate | None:
+        """DES-LOC: block until averaged ``kind`` moments of ``fragment`` newer than
+        ``after_version`` (or of another epoch than ``epoch``) arrive; others that arrive
+        meanwhile are kept for the next ``poll_moments``."""
+        end = time.monotonic() + timeout
+
+        def wanted(u: MomentUpdate) -> bool:
+            return u.fragment == fragment and u.kind == kind and (u.version > after_version or u.epoch != epoch)
+
+        for i, upd in enumerate(self._moments_held_back):
+            if wanted(upd):
+                return self._moments_held_back.pop(i)
+        while True:
+            upd = self._get(end, self._moment_box)
+            if upd is None:
+                return None
+            if wanted(upd):
+                return upd
+            self._moments_held_back.append(upd)
 
     def poll_advice(self) -> list[FailSlowReport]:
         """Fail-slow reports for this learner since the last call, oldest first; never blocks."""
@@ -111,7 +145,9 @@ class QueueLink:
                 return upd
             self._held_back.append(upd)
 
-    def _get(self, end: float) -> Update | None:
+    def _get(self, end: float, box: "queue.Queue[Any] | None" = None) -> Any:
+        """The next item of ``box`` (the updates' queue by default) before ``end``, or None."""
+        box = self._box if box is None else box
         while True:
             remaining = end - time.monotonic()
             if remaining <= 0:
@@ -120,6 +156,6 @@ class QueueLink:
             if error is not None:
                 raise TransportError(f"the link to the syncer failed: {error}") from error
             try:
-                return self._box.get(timeout=min(remaining, _POLL))
+                return box.get(timeout=min(remaining, _POLL))
             except queue.Empty:
                 continue

@@ -21,7 +21,7 @@ import torch
 from rackmend.config import RackmendConfig
 from rackmend.core.failslow import AdviseLearner, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
 from rackmend.core.settings import LearnerSettings, syncer_mismatch
 from rackmend.core.syncer import (
@@ -31,6 +31,8 @@ from rackmend.core.syncer import (
     LearnerJoined,
     LearnerLeft,
     LogRecord,
+    MomentsArrived,
+    SendMomentUpdate,
     SendUpdate,
     SyncerCore,
     SyncTimed,
@@ -66,6 +68,7 @@ class InProcessSyncer:
         self._inbox: "queue.Queue[Event | None]" = queue.Queue()
         self._outboxes: dict[str, "queue.Queue[Update]"] = {}
         self._advice: dict[str, "queue.Queue[FailSlowReport]"] = {}
+        self._moment_boxes: dict[str, "queue.Queue[MomentUpdate]"] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rackmend-syncer", daemon=True)
         self._error: BaseException | None = None
@@ -106,11 +109,14 @@ class InProcessSyncer:
 
     # ------------------------------------------------------------------ internals
     def _register(self, learner_id: str, box: "queue.Queue[Update]",
-                  advice: "queue.Queue[FailSlowReport] | None" = None) -> None:
+                  advice: "queue.Queue[FailSlowReport] | None" = None,
+                  moments: "queue.Queue[MomentUpdate] | None" = None) -> None:
         with self._lock:
             self._outboxes[learner_id] = box
             if advice is not None:
                 self._advice[learner_id] = advice
+            if moments is not None:
+                self._moment_boxes[learner_id] = moments
 
     def _post(self, event: Event) -> None:
         if not self._thread.is_alive():
@@ -156,6 +162,12 @@ class InProcessSyncer:
                     self._log_file.write(json.dumps(action.record) + "\n")
                 if action.record["event"] == "merge":
                     merged.append(action.record["fragment"])
+            elif isinstance(action, SendMomentUpdate):
+                with self._lock:
+                    for lid in action.to:
+                        moment_box = self._moment_boxes.get(lid)
+                        if moment_box is not None:
+                            moment_box.put(action.update)
             elif isinstance(action, AdviseLearner):
                 with self._lock:
                     advice = self._advice.get(action.report.learner)
@@ -195,7 +207,7 @@ class InProcessLink(QueueLink):
         if difference:
             raise TransportError(f"join of {learner_id}: the learner's layout differs from the syncer's: {difference}")
         self.learner_id = learner_id
-        self._hub._register(learner_id, self._box, self._advice)
+        self._hub._register(learner_id, self._box, self._advice, self._moment_box)
         self._hub._post(LearnerJoined(learner_id))
         n = len(self._hub.core.fragments)
         got: dict[int, Update] = {}
@@ -209,6 +221,10 @@ class InProcessLink(QueueLink):
 
     def send(self, contribution: Contribution) -> None:
         self._hub._post(ContributionArrived(contribution))
+
+    def send_moments(self, contribution: MomentContribution) -> None:
+        """DES-LOC: queue a moment contribution for the syncer; returns at once."""
+        self._hub._post(MomentsArrived(contribution))
 
     def leave(self) -> None:
         if self.learner_id is not None and self._hub._thread.is_alive():

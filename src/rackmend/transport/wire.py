@@ -25,7 +25,7 @@ from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
 from rackmend.core.fragments import dtype_name
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
 from rackmend.core.settings import LearnerSettings
 
@@ -51,6 +51,10 @@ __all__ = [
     "fail_slow_frames",
     "parse_fail_slow",
     "parse_contribution",
+    "moments_frames",
+    "parse_moments",
+    "moments_update_frames",
+    "parse_moments_update",
     "parse_tensors",
     "parse_encoded",
     "parse_pieces",
@@ -86,9 +90,12 @@ APPLIED_RULES = tuple(r for r in APPLY_RULES if r != "auto")
 """What a learner reports as its apply rule (``auto`` is resolved before)."""
 MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
-LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack")
-SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack", "fail_slow")
-"""What a learner accepts from the syncer (``fail_slow``: advice about its own speed)."""
+LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack", "moments")
+"""What a learner sends (``moments``: DES-LOC's optimizer moments, sent only in a run
+whose learners said hello with ``desloc``, so peers that predate it never see one)."""
+SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack", "fail_slow", "moments_update")
+"""What a learner accepts from the syncer (``fail_slow``: advice about its own speed;
+``moments_update``: DES-LOC's averaged moments)."""
 CLIENT_TYPES = ("status",)
 """Read-only requests of a client that is not a learner (``rackmend status``): no
 learner id, no rank, never a member of a round."""
@@ -169,6 +176,22 @@ def contribution_frames(c: Contribution, rank: int) -> list[Any]:
         # Optional, so syncers that predate fail-slow detection read the message as before.
         **({} if c.rank_steps <= 0 else {"rank_steps": c.rank_steps, "rank_step_time": float(c.rank_step_time)}),
     }, frames)
+
+
+def moments_frames(c: MomentContribution, rank: int) -> list[Any]:
+    """DES-LOC: a learner's moments of one kind for one fragment (``moment_spec`` layout)."""
+    fields, frames = _payload(c.tensors, c.encoded)
+    return encode({
+        "type": "moments", "learner": c.learner_id, "rank": rank, "fragment": c.fragment, "kind": c.kind,
+        "base_version": c.base_version, "base_epoch": c.base_epoch, "step": c.step, "c_steps": c.c_steps,
+        "c_tokens": float(c.c_tokens), "session": c.session, "seq": c.seq, **fields}, frames)
+
+
+def moments_update_frames(u: MomentUpdate) -> list[Any]:
+    """DES-LOC: the syncer's averaged moments, encoded with the moments codec when lossy."""
+    fields, frames = _payload(u.tensors, u.encoded)
+    return encode({"type": "moments_update", "fragment": u.fragment, "kind": u.kind, "version": u.version,
+                   "epoch": u.epoch, **fields}, frames)
 
 
 def update_frames(u: Update, reset: bool = False, *, full: bool = False,
@@ -308,6 +331,7 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
 
 
 _MAX_CODEC_SPEC = 200
+_DESLOC_KEYS = ("desloc", "desloc_ku", "desloc_kv", "moments")
 
 
 @dataclass(frozen=True)
@@ -344,8 +368,10 @@ def parse_hello(msg: Message) -> Hello:
                         "uplink, downlink): the learner runs an older rackmend; upgrade it")
     raw = _field(h, "settings", dict)
     expected = set(LearnerSettings.__dataclass_fields__)
-    if set(raw) != expected:
-        raise WireError(f"hello: settings must have exactly the keys {sorted(expected)}, "
+    # DES-LOC's keys come only with DES-LOC on (``LearnerSettings.to_wire``).
+    required = expected - set(_DESLOC_KEYS) if raw.get("desloc") is None else expected
+    if not required <= set(raw) <= expected:
+        raise WireError(f"hello: settings must have exactly the keys {sorted(required)}, "
                         f"got {sorted(str(k)[:40] for k in raw)[:10]}")
     values: dict[str, Any] = {
         "sync_every": _field(raw, "sync_every", int, minimum=1),
@@ -371,6 +397,21 @@ def parse_hello(msg: Message) -> Hello:
         except CodecError as exc:
             raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
         values[name] = spec
+    if "desloc" in raw:
+        if _field(raw, "desloc", bool) is not True:
+            raise WireError("hello: settings.desloc is sent only when true")
+        ku, kv = (_field(raw, k, int, minimum=values["sync_every"]) for k in ("desloc_ku", "desloc_kv"))
+        if ku % values["sync_every"] or kv % values["sync_every"]:
+            raise WireError(f"hello: desloc_ku {ku} and desloc_kv {kv} must be multiples of sync_every "
+                            f"{values['sync_every']}")
+        moments = _field(raw, "moments", str)
+        if len(moments) > _MAX_CODEC_SPEC:
+            raise WireError(f"hello: settings.moments is longer than {_MAX_CODEC_SPEC} characters")
+        try:
+            parse_codec_spec(moments)
+        except CodecError as exc:
+            raise WireError(f"hello: settings.moments: {str(exc)[:300]}") from None
+        values.update(desloc=True, desloc_ku=ku, desloc_kv=kv, moments=moments)
     pieces = None
     if "pieces" in h:
         raw_pieces = _field(h, "pieces", list)
@@ -505,6 +546,51 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     pieces, tensors, encoded = parse_pieces(msg, fragments, p)  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
                         rank=h["rank"], pieces=pieces, **counters)
+
+
+def _moment_key(h: dict[str, Any], fragments: Sequence[FragmentSpec], what: str) -> tuple[int, str]:
+    p = _field(h, "fragment", int, minimum=0)
+    if p >= len(fragments):
+        raise WireError(f"{what} for unknown fragment {p} (the layout has {len(fragments)})")
+    kind = _field(h, "kind", str)
+    if kind not in MOMENT_KINDS:
+        raise WireError(f"{what}: kind {kind[:30]!r} is not one of {', '.join(MOMENT_KINDS)}")
+    return p, kind
+
+
+def parse_moments(msg: Message, fragments: Sequence[FragmentSpec]) -> MomentContribution:
+    """A checked ``moments`` message: counters, and tensors against the fragment's moment
+    layout (its parameters' shapes and dtypes; a lossy codec's values decoded)."""
+    h = msg.header
+    p, kind = _moment_key(h, fragments, "moments")
+    counters = dict(
+        base_version=_field(h, "base_version", int, minimum=0),
+        base_epoch=_field(h, "base_epoch", int, minimum=0),
+        step=_field(h, "step", int, minimum=0),
+        c_steps=_field(h, "c_steps", int, minimum=0),
+        c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
+        session=_field(h, "session", int, minimum=0),
+        seq=_field(h, "seq", int, minimum=1),
+    )
+    if counters["session"] > MAX_SESSION or counters["base_epoch"] > MAX_EPOCH:
+        raise WireError(f"moments: session or base_epoch out of range (<= {MAX_SESSION}, <= {MAX_EPOCH})")
+    tensors, encoded = parse_encoded(msg, moment_spec(fragments[p]))
+    return MomentContribution(learner_id=h["learner"], fragment=p, kind=kind, tensors=tensors, encoded=encoded,
+                              rank=h["rank"], **counters)
+
+
+def parse_moments_update(msg: Message, fragments: Sequence[FragmentSpec]) -> MomentUpdate:
+    """A checked ``moments_update`` message from the syncer (tensors checked, decoded, finite)."""
+    h = msg.header
+    p, kind = _moment_key(h, fragments, "moments_update")
+    version = _field(h, "version", int, minimum=1)
+    epoch = _field(h, "epoch", int, minimum=0)
+    if epoch > MAX_EPOCH:
+        raise WireError(f"moments_update: epoch must be <= {MAX_EPOCH}, got {epoch}")
+    tensors, encoded = parse_encoded(msg, moment_spec(fragments[p]))
+    if not all(bool(torch.isfinite(t).all()) for t in tensors if t.numel()):
+        raise WireError(f"moments_update of fragment {p} ({kind}) holds non-finite values")
+    return MomentUpdate(p, kind, version, tuple(t.clone() for t in tensors), epoch=epoch, encoded=encoded)
 
 
 def parse_status_request(msg: Message) -> int:

@@ -13,6 +13,10 @@ as held + decode(change), the same sum the syncer computed, so the training thre
 only ever sees full values equal to the syncer's bit for bit. A change whose base is
 not the held version means one was lost: the thread asks for the full value
 (``fetch``) and delivers nothing for that fragment until it arrives.
+
+DES-LOC's moments and averaged moments travel as control messages: in order, never
+replaced by a newer one and not acknowledged (they leave every K_u or K_v steps, far
+less often than parameter sends).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 import zmq
 
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.messages import Contribution, Update
+from rackmend.core.messages import Contribution, MomentContribution, Update
 from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
@@ -146,6 +150,8 @@ class ZmqLink(QueueLink):
         count resumed) numbers its sends in a session of its own, not as replays."""
         self._seq: dict[int, int] = {}
         """Per fragment, the last sequence number sent (training thread only)."""
+        self._moment_seq: dict[tuple[int, str], int] = {}
+        """DES-LOC: per (fragment, kind), the last sequence number sent (training thread only)."""
         self.fetches_sent = 0
         """``fetch`` requests sent after a lost delta update (retries included)."""
         self._global: dict[int, tuple[int, int, tuple[torch.Tensor, ...]]] = {}
@@ -220,6 +226,13 @@ class ZmqLink(QueueLink):
         contribution = dataclasses.replace(contribution, session=self._session, seq=seq)
         frames = wire.contribution_frames(contribution, self.rank)
         self._pipe_out.send_multipart([b"C", str(contribution.fragment).encode(), *frames], copy=False)
+
+    def send_moments(self, contribution: MomentContribution) -> None:
+        """DES-LOC: queue a moment contribution for the syncer; returns at once."""
+        key = (contribution.fragment, contribution.kind)
+        self._moment_seq[key] = seq = self._moment_seq.get(key, 0) + 1
+        contribution = dataclasses.replace(contribution, session=self._session, seq=seq)
+        self._pipe_out.send_multipart([b"M", *wire.moments_frames(contribution, self.rank)], copy=False)
 
     @property
     def superseded_sends(self) -> int:
@@ -360,6 +373,8 @@ class ZmqLink(QueueLink):
                 self._bye.set()
             elif msg.type == "fail_slow":
                 self._advice.put(wire.parse_fail_slow(msg, self.learner_id))
+            elif msg.type == "moments_update":
+                self._moment_box.put(wire.parse_moments_update(msg, self._fragments))
             elif msg.type == "ack":
                 self._outbox.ack(wire.parse_ack(msg, len(self._fragments)))
             elif msg.type == "error":
