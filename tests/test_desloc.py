@@ -368,7 +368,10 @@ def test_asynchronous_run_averages_and_applies_moments() -> None:
     applies averaged moments, and its last applied ones are a mean the syncer sent."""
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=H, num_fragments=2, overlap=1, desloc=True, desloc_ku=H, desloc_kv=H),
-        syncer=SyncerConfig(min_quorum=1, learners=("l0", "l1"), grace_max=0.5))
+        # Quorum 2: on a loaded machine one learner thread can start so late that the other
+        # has run its moment rounds alone, and a joining learner is not sent the current
+        # moments (a known gap, docs/algorithm.md): it would hold none at the end.
+        syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1"), grace_max=0.5))
     optimizers: dict[str, RackmendOptimizer] = {}
     _, hub = run_inprocess(config, _ids(2), 8 * H, optimizers=optimizers)
     rounds = [e for e in hub.events if e["event"] == "moments"]
