@@ -8,7 +8,13 @@ Every rank trains on the learner's batch ``batch(id, t)`` (so a deterministic ru
 a single process's), passing its share of the tokens. ``--out``: the whole final
 parameters (gathered for the test only, on rank 0). ``--held-out``: each rank's held
 values and where its blocks lie, as ``<held-out>.<rank>`` (``held/<p>/<i>``,
-``place/<p>/<i>`` = offsets then shape, ``versions``).
+``place/<p>/<i>`` = offsets then shape, ``versions``). ``--pid-out``: each rank writes
+``<pid-out>.<rank>`` = its pid and torchrun's restart count, at start. ``--progress``:
+each rank writes ``<progress>.<rank>`` = the step whose gradient it has (after the
+backward pass, before ``opt.step``) and its versions. ``--step-sleep``: the last rank
+then sleeps that long before its ``opt.step`` (the others wait for it in the step's
+collective), so its pieces trail the other ranks': killed in that sleep, it leaves the
+others' pieces of the step without its own.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -98,8 +105,14 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--held-out", type=Path)
     p.add_argument("--loss-out", type=Path, help="rank 0 writes the first and last held-out loss here")
+    p.add_argument("--pid-out", type=Path)
+    p.add_argument("--progress", type=Path)
+    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    if a.pid_out:  # before the process group: the test may kill this rank at any point after
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        Path(f"{a.pid_out}.{os.environ['RANK']}").write_text(f"{os.getpid()} {restart}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -125,6 +138,10 @@ def main() -> int:
             loss = model(x, y)
             opt.zero_grad()
             loss.backward()
+            if a.progress:
+                Path(f"{a.progress}.{rank}").write_text(f"{t} {' '.join(map(str, opt.versions))}")
+            if a.step_sleep and rank == world - 1:
+                time.sleep(a.step_sleep)
             opt.step(tokens=tokens // world)  # this rank's share: the learner counts tokens x world size
     finally:
         opt.close()

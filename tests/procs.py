@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,10 +61,37 @@ class Procs:
         return (self.tmp / f"{name}.out").read_text(errors="replace")
 
     def kill_all(self) -> None:
+        """Kill every process started here that still runs, and what it started: torchrun's
+        workers run in sessions of their own (torch elastic starts them so), which a kill
+        of torchrun or of its process group would leave running."""
         for p in self.started:
             if p.poll() is None:
+                tree = descendants(p.pid)  # read while p lives: they are its children, not reused pids
                 p.kill()
+                for pid in tree:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             p.wait(10)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (from Linux's ``/proc/*/stat``)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
+            parent[int(stat.parent.name)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        children = [c for c, pp in parent.items() if pp == p]
+        out += children
+        todo += children
+    return out
 
 
 def events(tmp: Path) -> list[dict]:

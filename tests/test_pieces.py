@@ -1,16 +1,20 @@
 """Pieces without processes: the owner rule, the checks a hello's pieces go through,
-and the assembly of a learner's contribution from its ranks' pieces."""
+the assembly of a learner's contribution from its ranks' pieces, and a plain model
+with empty tensors staying a plain (unsharded) learner."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.assembly import Assembler
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece, cover_problem, cut, owner, pieces_problem, whole_pieces
 
-from helpers import make_model
+from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_inprocess
+from reference import reference_run
 
 LAYOUT = pack_fragments(make_model(), 2, 3)
 
@@ -105,3 +109,29 @@ def test_incomplete_contributions_are_dropped_with_a_reason() -> None:
     records = asm.expire(14.0, 10.0)
     assert [r["missing"] for r in records] == [[1]] and "incomplete after 10s" in records[0]["reason"]
     assert asm.dropped == 3
+
+
+def _with_empty_tensors() -> nn.Module:
+    """TinyLM plus a parameter and a buffer with no elements (a zero-width adapter, an
+    unused statistics buffer)."""
+    model = make_model()
+    model.register_parameter("unused", nn.Parameter(torch.zeros(0, 8)))
+    model.register_buffer("nothing", torch.zeros(0))
+    return model
+
+
+def test_a_plain_model_with_empty_tensors_stays_plain_and_equals_the_reference(one_thread: None) -> None:
+    """A single-process learner whose model has empty tensors holds them whole: it is a
+    plain learner (no pieces; ``InProcessLink`` takes it), and two of them through the
+    in-process syncer equal the single-process reference bit for bit."""
+    ids, steps = ["l0", "l1"], 8
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1),
+                            syncer=SyncerConfig(min_quorum=2, learners=tuple(ids)), deterministic=True)
+    optimizers: dict = {}
+    models, hub = run_inprocess(config, ids, steps, model_fn=_with_empty_tensors, optimizers=optimizers)
+    assert not any(opt.core.layout.sharded for opt in optimizers.values())
+    assert {name for f in hub.core.fragments for name in f.names} >= {"unused", "nothing"}
+    merges = [e for e in hub.events if e["event"] == "merge"]
+    assert sorted({e["fragment"] for e in merges}) == [0, 1] and all(e["merged"] == ids for e in merges)
+    ref_models, ref_theta = reference_run(_with_empty_tensors, make_inner, batch, config, ids, steps)
+    assert_equal_to_reference(models, hub, ref_models, ref_theta)

@@ -4,8 +4,10 @@ sharded differently training one model; pieces that cannot be right refused at h
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 
 from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model
-from procs import Procs, events, finish
+from procs import Procs, descendants, events, finish, progress, wait_for
 from reference import reference_run
 
 SHARDED = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -260,3 +262,93 @@ def test_pieces_out_of_bounds_or_overlapping_are_refused_by_name(procs: Procs, t
     finally:
         for d in dealers:
             d.close()
+
+
+# ---------------------------------------------------------------- a rank SIGKILLed
+def _pid(path: Path) -> tuple[int, int]:
+    """(pid, torchrun restart count) a rank wrote to ``path``; (0, -1) before it did."""
+    try:
+        pid, restart = path.read_text().split()
+        return int(pid), int(restart)
+    except (FileNotFoundError, ValueError):
+        return 0, -1
+
+
+def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Procs, tmp_path: Path) -> None:
+    """Asynchronous, one syncer: an FSDP2 rack of 2 ranks under ``torchrun --max-restarts 1``
+    and a plain rack. Its last rank reaches each ``opt.step`` 0.3 s after rank 0 (so rank
+    0's pieces of a step wait at the syncer for rank 1's) and is SIGKILLed there, mid-run.
+    torchrun relaunches the rack, which joins again and merges again; the plain rack keeps
+    merging all along, no round waiting for the dead rack beyond the grace bound; rank 0's
+    pieces of the step rank 1 never sent are dropped as incomplete, with the reason
+    logged, and the rack's merges all come from complete contributions."""
+    # A rack silent for ``heartbeat`` s is dropped; a round waits at most ``grace`` s for an
+    # absent rack. Between kill and rejoin the plain rack's merges come at its own pace
+    # (a contribution every 0.25 s), never ``heartbeat`` s apart as they would if rounds
+    # waited for the dead rack until the syncer gave up on it. Relaunched ranks may take
+    # over their old ranks' ids after 1 s of silence.
+    grace, heartbeat, lag = 0.5, 2.5, 0.3
+    h, p = 2, 2  # a send every step: every step of the kill leaves rank 0's pieces waiting for rank 1's
+    sched = ("--H", str(h), "--P", str(p), "--tau", str(TAU))
+    syncer, endpoint = procs.syncer("--min-quorum", "1", "--learners", "l0,l1", "--overlap", str(TAU),
+                                    "--grace-max", str(grace), "--heartbeat-timeout", str(heartbeat),
+                                    "--takeover-after", "1")
+    plain = procs.learner(endpoint, "l1", "--steps", "100000", "--step-sleep", "0.25", *sched)
+    pids, prog = tmp_path / "l0.pid", tmp_path / "l0.progress"
+    rack = procs.start([*SHARDED, "--max-restarts", "1", "--nproc-per-node", "2", PROC, "--mode", "fsdp",
+                        "--endpoint", endpoint, "--id", "l0", "--steps", "10", *sched, "--step-sleep", str(lag),
+                        "--pid-out", str(pids), "--progress", str(prog)], "l0",
+                       # torch 2.13: with the rendezvous store shared (the default), relaunched gloo
+                       # ranks read the old ranks' addresses from it and time out connecting
+                       # (pytorch/pytorch#135712); a store per rendezvous round avoids that.
+                       env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    merged_l0 = lambda after: [e for e in events(tmp_path)  # noqa: E731
+                               if e["event"] == "merge" and "l0" in e["merged"] and e["t"] > after]
+    wait_for(lambda: progress(Path(f"{prog}.1"))[0] >= 3 and merged_l0(0), 120,
+             "the sharded rack to step and merge", (rack, plain))
+    victim, restart = _pid(Path(f"{pids}.1"))
+    assert restart == 0 and victim in descendants(rack.pid), "rank 1's pid is not a worker of this torchrun"
+    # Rank 1 writes a step when its gradient is ready and then sleeps before its opt.step,
+    # while rank 0 sends its pieces of that step: kill rank 1 inside that window.
+    step = progress(Path(f"{prog}.1"))[0]
+    wait_for(lambda: progress(Path(f"{prog}.1"))[0] > step, 30, "rank 1 to take a step", (rack,))
+    time.sleep(lag / 6)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()  # the syncer's clock is the same (CLOCK_MONOTONIC)
+    # (1) torchrun relaunches both ranks; they join again and the rack merges again.
+    wait_for(lambda: all(_pid(Path(f"{pids}.{r}"))[1] == 1 for r in range(2)), 60, "torchrun to relaunch the rack",
+             (plain,))
+    wait_for(lambda: len([e for e in events(tmp_path) if e["event"] == "join" and e["learner"] == "l0"
+                          and e["t"] > killed_at]) == 2, 60, "both relaunched ranks to join", (plain,))
+    rejoined = max(e["t"] for e in events(tmp_path) if e["event"] == "join" and e["learner"] == "l0")
+    finish(rack, procs, "l0", timeout=90)  # the relaunched rack runs to its end
+    assert merged_l0(rejoined), "the relaunched rack's contributions never merged"
+    assert _pid(Path(f"{pids}.1"))[0] != victim
+    plain.send_signal(signal.SIGINT)
+    assert plain.wait(30) == 130, procs.output("l1")[-3000:]
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    ev = events(tmp_path)
+    # (2) the plain rack merged all through the outage; no round waited for the dead rack
+    # beyond the grace bound.
+    outage = [e for e in ev if e["event"] == "merge" and killed_at < e["t"] < rejoined]
+    assert len([e for e in outage if "l1" in e["merged"]]) >= 5, [e["merged"] for e in outage]
+    assert any("l0" in e["absent"] for e in outage), "no round of the outage went ahead without the dead rack"
+    waits = [e["wait_s"] for e in ev if e["event"] == "merge"]
+    assert max(waits) <= grace + 0.5, f"a round waited {max(waits):.2f}s, beyond the grace bound {grace}s"
+    times = [killed_at] + [e["t"] for e in outage if "l1" in e["merged"]] + [rejoined]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"outage {rejoined - killed_at:.1f}s: {len(times) - 2} merges with l1, largest gap {max(gaps):.2f}s, "
+          f"largest wait {max(waits):.2f}s")
+    assert max(gaps) <= grace + 1.0 < heartbeat, f"the plain rack's merges stalled {max(gaps):.2f}s during the outage"
+    # (3) rank 0's pieces of the step rank 1 never sent: dropped, with the reason, never merged.
+    dropped = [e for e in ev if e["event"] == "incomplete" and e["learner"] == "l0" and e["t"] > killed_at]
+    assert dropped, "no incomplete contribution of the killed rack was dropped"
+    for e in dropped:
+        assert e["ranks"] == [0] and e["missing"] == [1], e
+        assert "dropped" in e["reason"] and ("incomplete after" in e["reason"] or "went silent" in e["reason"]), e
+    # A contribution complete before the kill merges within the bound checked above; one of
+    # the rack merging later, before it rejoined, could only be made of the dropped pieces.
+    late = [e for e in outage if "l0" in e["merged"] and e["t"] > killed_at + grace + 0.5]
+    assert not late, f"the dead rack merged {len(late)} times after its kill: {late[0]}"
+    print("dropped:", [e["reason"] for e in dropped])

@@ -175,7 +175,8 @@ def wire_pieces(spec: FragmentSpec, pieces: Sequence[Piece]) -> tuple[Piece, ...
 def pieces_problem(fragments: Sequence[FragmentSpec], pieces: RankPieces) -> str | None:
     """Why one rank's declared pieces cannot be right for ``fragments``, or None: one
     entry per fragment, tensors ascending and each at most once, every block non-empty
-    and inside its tensor's global shape with as many dimensions."""
+    (unless it is the whole of an empty tensor) and inside its tensor's global shape with
+    as many dimensions."""
     if len(pieces) != len(fragments):
         return f"pieces are declared for {len(pieces)} fragments, the layout has {len(fragments)}"
     for f, owned in zip(fragments, pieces):
@@ -189,6 +190,8 @@ def pieces_problem(fragments: Sequence[FragmentSpec], pieces: RankPieces) -> str
             where = f"fragment {f.index}, {spec.name} {list(spec.shape)}: piece at {list(pc.offsets)} of {list(pc.shape)}"
             if len(pc.offsets) != len(spec.shape) or len(pc.shape) != len(spec.shape):
                 return f"{where} has another number of dimensions than the tensor"
+            if pc.covers(spec):
+                continue  # the whole tensor, which may have no elements (a plain rack's empty tensor)
             if pc.numel == 0:
                 return f"{where} is empty (a rank owning nothing of a tensor declares no piece of it)"
             if any(o < 0 or s < 1 or o + s > g for o, s, g in zip(pc.offsets, pc.shape, spec.shape)):

@@ -47,8 +47,9 @@ def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None
     except ImportError:  # torch without distributed support: no DTensor either
         DTensor = None  # type: ignore[assignment,misc]
     if DTensor is None or not isinstance(t, DTensor):
-        local = t.detach()
-        return local, (Piece(index, (0,) * t.dim(), tuple(t.shape)) if t.numel() else None)
+        # Whole even when empty: every rank holds it, so the rack stays plain (a None here
+        # would read as a block missing on this rank and make a single process "sharded").
+        return t.detach(), Piece(index, (0,) * t.dim(), tuple(t.shape))
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     odd = [p for p in t.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
@@ -184,7 +185,7 @@ class RackPieces:
             mine = block is not None and block in self.layout.owned[p]
             value = next(received) if mine else torch.empty(tuple(local.shape), dtype=local.dtype)
             replicas = self._replicas[p][i]
-            if replicas is not None:
+            if replicas is not None and local.numel():  # an empty block has nothing to broadcast
                 src, group = replicas
                 value = self._broadcast(value if not mine else value.clone(), src, group)
             tensors.append(value)
