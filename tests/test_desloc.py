@@ -373,7 +373,9 @@ def test_asynchronous_run_averages_and_applies_moments() -> None:
         # moments (a known gap, docs/algorithm.md): it would hold none at the end.
         syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1"), grace_max=0.5))
     optimizers: dict[str, RackmendOptimizer] = {}
-    _, hub = run_inprocess(config, _ids(2), 8 * H, optimizers=optimizers)
+    # 24 periods: the learner threads must overlap in time for rounds of two to close,
+    # and on a loaded machine one can start seconds after the other.
+    _, hub = run_inprocess(config, _ids(2), 24 * H, optimizers=optimizers)
     rounds = [e for e in hub.events if e["event"] == "moments"]
     assert {(e["fragment"], e["kind"]) for e in rounds} == {(p, k) for p in range(2) for k in ("exp_avg", "exp_avg_sq")}
     for lid, opt in optimizers.items():
