@@ -40,6 +40,13 @@ from _common import finish, parser, start_syncer
 
 
 ARMS = ("single-plain", "single", "fsdp-plain", "fsdp")
+ALLOCATORS: dict[str, dict[str, str]] = {
+    "glibc": {},
+    # A fixed threshold: blocks of 64 KiB and more are mmapped and unmapped at free, so
+    # RSS follows the live tensors. glibc's default raises its threshold (up to 32 MiB)
+    # each time a mapped block is freed, after which freed tensors stay in the heap.
+    "mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+}
 
 
 def _rss_now_mb() -> float:
@@ -52,20 +59,22 @@ def _peak_mb() -> float:
 
 
 def _rank_main(a: Any) -> dict[str, Any]:
-    """Build, train, measure this process."""
+    """Build, train, measure this process: the RSS at each phase, the peak."""
     import torch
     import torch.distributed as dist
 
     from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, ZmqLink
     from rackmend.workloads import GPT, ByteCorpus, GPTConfig
 
-    floor = _rss_now_mb()
+    rss: dict[str, float] = {"floor": _rss_now_mb()}
     sharded = a.arm.startswith("fsdp")
     plain = a.arm.endswith("-plain")
     if sharded:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if sharded else 0
     world = dist.get_world_size() if sharded else 1
+    # The same global batch per step in every arm: a rack of n ranks does one process's step.
+    batch = a.batch if sharded else a.batch * a.ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     cfg = GPTConfig(block_size=32, n_layer=4, n_head=8, n_embd=512) if a.quick else GPTConfig(
         block_size=32, n_layer=8, n_head=16, n_embd=1024)
@@ -77,6 +86,7 @@ def _rank_main(a: Any) -> dict[str, Any]:
         with torch.device("meta"):
             model = GPT(cfg)
         mesh = init_device_mesh("cpu", (world,))
+        rss["mesh"] = _rss_now_mb()  # gloo, DTensor's modules, the mesh: no parameter yet
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -87,48 +97,76 @@ def _rank_main(a: Any) -> dict[str, Any]:
                     m.reset_parameters()
             model.apply(GPT._init)
     else:
+        rss["mesh"] = rss["floor"]
         model = GPT(cfg)
     params = sum(p.numel() for p in model.parameters())  # global sizes (a DTensor counts whole)
-    built = _rss_now_mb()
+    rss["built"] = _rss_now_mb()
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=2))
     inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
     opt = inner if plain else RackmendOptimizer(model, inner, config, ZmqLink(a.endpoint), learner_id=f"mem-{a.arm}")
+    rss["joined"] = _rss_now_mb()
     corpus = ByteCorpus()
     g = torch.Generator().manual_seed(rank)
-    for _ in range(a.steps):
-        x, y = corpus.batch(g, a.batch, cfg.block_size)
+    steady = []
+    for step in range(a.steps):
+        x, y = corpus.batch(g, batch, cfg.block_size)
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step() if plain else opt.step(tokens=x.numel())
+        steady.append(_rss_now_mb())
+        if step == 0:
+            rss["first_step"] = steady[0]
+    rss["last_step"] = steady[-1]
+    rss["max_between_steps"] = max(steady)
     sends = 0 if plain else opt.bytes_sent
     applied = 0 if plain else sum(v > 0 for v in opt.versions)
     if not plain:
         opt.close()
     if sharded:
         dist.destroy_process_group()
-    return {"rank": rank, "world": world, "params": params, "floor_mb": floor, "built_mb": built,
-            "peak_mb": _peak_mb(), "bytes_sent": sends, "fragments_updated": applied, "model": cfg.__dict__}
+    return {"rank": rank, "world": world, "params": params, "batch": batch, "floor_mb": rss["floor"],
+            "built_mb": rss["built"], "rss_mb": rss, "peak_mb": _peak_mb(), "bytes_sent": sends,
+            "fragments_updated": applied, "model": cfg.__dict__}
 
 
-def _run_arm(a: Any, arm: str, endpoint: str, workdir: Path) -> list[dict[str, Any]]:
-    out = workdir / arm
-    out.mkdir()
+def _run_arm(a: Any, arm: str, alloc: str, endpoint: str, workdir: Path) -> list[dict[str, Any]]:
+    out = workdir / alloc / arm
+    out.mkdir(parents=True)
     me = [str(Path(__file__).resolve()), "--arm", arm, "--endpoint", endpoint, "--steps", str(a.steps),
-          "--batch", str(a.batch), *(["--quick"] if a.quick else [])]
+          "--batch", str(a.batch), "--ranks", str(a.ranks), *(["--quick"] if a.quick else [])]
     cmd = [sys.executable, *me] if arm.startswith("single") else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks), *me]
-    rc = subprocess.run(cmd, env={**os.environ, "RACKMEND_BENCH_OUT": str(out)}, timeout=3600).returncode
+    env = {**os.environ, **ALLOCATORS[alloc], "RACKMEND_BENCH_OUT": str(out)}
+    rc = subprocess.run(cmd, env=env, timeout=3600).returncode
     if rc != 0:
-        raise SystemExit(f"the {arm} arm exited {rc}")
+        raise SystemExit(f"the {arm} arm ({alloc}) exited {rc}")
     return sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+
+
+def _ratios(arms: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """The largest fsdp rank against the single process: peak, peak above the floor,
+    and rackmend's share (each arm's peak minus its plain arm's)."""
+    single, = arms["single"]
+    worst = max(arms["fsdp"], key=lambda r: r["peak_mb"])
+    own = {arm: max(r["peak_mb"] for r in arms[arm]) - max(r["peak_mb"] for r in arms[f"{arm}-plain"])
+           for arm in ("single", "fsdp")}
+    plain = max(r["peak_mb"] for r in arms["fsdp-plain"]) / arms["single-plain"][0]["peak_mb"]
+    return {"peak_ratio": worst["peak_mb"] / single["peak_mb"],
+            "above_floor_ratio": (worst["peak_mb"] - worst["floor_mb"]) / (single["peak_mb"] - single["floor_mb"]),
+            "plain_peak_ratio": plain, "single_peak_mb": single["peak_mb"], "fsdp_peak_mb": worst["peak_mb"],
+            "rackmend_share_ratio": own["fsdp"] / own["single"], "single_rackmend_mb": own["single"],
+            "fsdp_rackmend_mb": own["fsdp"]}
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="ranks of the fsdp rack (default 2)")
     p.add_argument("--steps", type=int, default=12, help="inner steps per arm (default 12: 3 rounds per fragment)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per step and rank (default 2)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="sequences per step and fsdp rank (default 2); the single process takes ranks x batch")
+    p.add_argument("--allocators", nargs="+", choices=list(ALLOCATORS), default=list(ALLOCATORS),
+                   help="glibc settings to run every arm under (default: all)")
     p.add_argument("--arm", choices=ARMS, help=Path(__file__).name + " sets this when it relaunches itself")
     p.add_argument("--endpoint", default=None, help=Path(__file__).name + " sets this when it relaunches itself")
     a = p.parse_args()
@@ -138,43 +176,46 @@ def main() -> None:
         Path(os.environ["RACKMEND_BENCH_OUT"], f"rank{result['rank']}.json").write_text(json.dumps(result))
         return
 
-    arms: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory(prefix="rackmend-memory-") as tmp:
         workdir = Path(tmp)
-        for arm in ARMS:
-            # A syncer per arm, so the second arm joins a fresh run with its own layout owner.
-            syncer, endpoint = start_syncer(workdir / f"syncer-{arm}")
-            try:
-                arms[arm] = _run_arm(a, arm, endpoint, workdir)
-            finally:
-                syncer.terminate()
+        for alloc in a.allocators:
+            runs[alloc] = {}
+            for arm in ARMS:
+                # A syncer per arm, so each arm joins a fresh run with its own layout owner.
+                syncer, endpoint = start_syncer(workdir / f"syncer-{alloc}-{arm}")
                 try:
-                    syncer.wait(30)
-                except subprocess.TimeoutExpired:
-                    syncer.kill()
-    single, = arms["single"]
-    print(f"\nhost memory per learner rank, demo GPT of {single['params']:,} parameters "
-          f"({single['params'] * 4 / 2**20:.0f} MiB fp32), {a.steps} steps:")
-    print(f"{'arm':<12} {'rank':>4} {'floor MiB':>10} {'built MiB':>10} {'peak MiB':>9} {'above floor':>12} "
-          f"{'sent MiB':>9} {'updated':>8}")
-    for arm, ranks in arms.items():
-        for r in ranks:
-            print(f"{arm:<12} {r['rank']:>4} {r['floor_mb']:>10.0f} {r['built_mb']:>10.0f} {r['peak_mb']:>9.0f} "
-                  f"{r['peak_mb'] - r['floor_mb']:>12.0f} {r['bytes_sent'] / 2**20:>9.1f} {r['fragments_updated']:>8}")
-    worst = max(arms["fsdp"], key=lambda r: r["peak_mb"])
-    ratio = worst["peak_mb"] / single["peak_mb"]
-    above = (worst["peak_mb"] - worst["floor_mb"]) / (single["peak_mb"] - single["floor_mb"])
-    own = {arm: max(r["peak_mb"] for r in arms[arm]) - max(r["peak_mb"] for r in arms[f"{arm}-plain"])
-           for arm in ("single", "fsdp")}
-    own_ratio = own["fsdp"] / own["single"]
-    print(f"largest fsdp rank / single process: peak {ratio:.3f}, above the floor {above:.3f} (target <= 0.6)")
-    print(f"rackmend's share of the peak (minus the plain arm's): single {own['single']:.0f} MiB, fsdp rank "
-          f"{own['fsdp']:.0f} MiB, ratio {own_ratio:.3f}")
+                    runs[alloc][arm] = _run_arm(a, arm, alloc, endpoint, workdir)
+                finally:
+                    syncer.terminate()
+                    try:
+                        syncer.wait(30)
+                    except subprocess.TimeoutExpired:
+                        syncer.kill()
+    first = runs[a.allocators[0]]["single"][0]
+    print(f"\nhost memory per learner rank (MiB), demo GPT of {first['params']:,} parameters "
+          f"({first['params'] * 4 / 2**20:.0f} MiB fp32), {a.steps} steps, {a.batch * a.ranks} sequences per step:")
+    phases = ("floor", "mesh", "built", "joined", "first_step", "max_between_steps")
+    print(f"{'alloc':<6} {'arm':<12} {'rank':>4} {'batch':>5} " + " ".join(f"{h[:10]:>10}" for h in phases)
+          + f" {'peak':>6} {'sent':>6} {'updated':>7}")
+    for alloc, arms in runs.items():
+        for arm, ranks in arms.items():
+            for r in ranks:
+                print(f"{alloc:<6} {arm:<12} {r['rank']:>4} {r['batch']:>5} "
+                      + " ".join(f"{r['rss_mb'][h]:>10.0f}" for h in phases)
+                      + f" {r['peak_mb']:>6.0f} {r['bytes_sent'] / 2**20:>6.0f} {r['fragments_updated']:>7}")
+    result: dict[str, float] = {}
+    for alloc, arms in runs.items():
+        ratios = _ratios(arms)
+        print(f"{alloc}: largest fsdp rank / single process: peak {ratios['peak_ratio']:.3f} (target <= 0.6), "
+              f"above the floor {ratios['above_floor_ratio']:.3f}, without rackmend {ratios['plain_peak_ratio']:.3f}; "
+              f"rackmend's share single {ratios['single_rackmend_mb']:.0f} MiB, fsdp rank "
+              f"{ratios['fsdp_rackmend_mb']:.0f} MiB ({ratios['rackmend_share_ratio']:.3f})")
+        result.update({f"{alloc}_{k}": v for k, v in ratios.items()})
+    result["ranks"] = a.ranks
     finish(f"learner_memory{'-quick' if a.quick else ''}", a.out,
-           {"inputs": {k: v for k, v in vars(a).items() if k not in ("endpoint", "out", "arm")}, "arms": arms},
-           {"peak_ratio": ratio, "above_floor_ratio": above, "single_peak_mb": single["peak_mb"],
-            "fsdp_peak_mb": worst["peak_mb"], "rackmend_share_ratio": own_ratio,
-            "single_rackmend_mb": own["single"], "fsdp_rackmend_mb": own["fsdp"], "ranks": a.ranks})
+           {"inputs": {k: v for k, v in vars(a).items() if k not in ("endpoint", "out", "arm")},
+            "allocators": {k: ALLOCATORS[k] for k in a.allocators}, "runs": runs}, result)
 
 
 if __name__ == "__main__":
