@@ -1,6 +1,6 @@
 """Host memory of a learner rank: an FSDP2 rack of 2 ranks against one process, same model.
 
-Runbook: ``python benchmarks/learner_memory.py`` (``--quick``: a smaller model). Each
+Runbook: ``python benchmarks/learner_memory.py`` (about 13 min; ``--quick``: a smaller model). Each
 arm runs in fresh processes next to a real ``rackmend syncer`` on 127.0.0.1: ``single``
 is one process holding the whole demo GPT; ``fsdp`` is a torchrun job of ``--ranks``
 gloo ranks whose model is built on the meta device and sharded with FSDP2's
@@ -12,17 +12,49 @@ until the merged value applies, values held, all included.
 Each arm also runs once with AdamW alone (``single-plain``, ``fsdp-plain``: the same
 training without rackmend), so rackmend's own share of each peak shows.
 
-Reported per rank: peak resident set size (``ru_maxrss``) over the whole process, the
-RSS after ``import torch`` and rackmend (the interpreter's floor, the same in every
-arm), and the peak above that floor. RESULT: the ratio of the largest fsdp rank's
-peak to the single process's (target <= 0.6 for 2 ranks, issue 13), the same ratio
-above the floor, and the ratio of rackmend's shares (peak minus the plain arm's peak).
-Not a test: the numbers depend on the allocator and the machine.
+Every arm trains the same global batch per step (``--batch`` sequences per fsdp rank,
+``ranks x batch`` in the single process): a rack of n ranks stands in for one process,
+so it is compared at the same tokens per step. Every arm runs twice, under glibc's
+default allocator settings (``glibc``) and with ``MALLOC_MMAP_THRESHOLD_=65536``
+(``mmap``: large blocks go back to the OS at free, so RSS follows the live tensors).
 
-First runs (2-core CPU, gloo, 101M parameters, results/learner_memory.json): peak 0.665
-(target missed), but FSDP2 alone already keeps 0.84 of the single process's peak on
-CPU/gloo (fsdp-plain 1763 vs single-plain 2097 MiB); rackmend's own share falls to
-0.44 (710 vs 1622 MiB), below the 0.5 of an even split.
+Reported per rank: the RSS at each phase (``floor`` after ``import torch`` and rackmend;
+``mesh`` after gloo and the device mesh; ``built``; ``joined`` after the optimizer is
+built, i.e. after the join; after the first step; the largest between steps) and the
+peak (``ru_maxrss``). RESULT per allocator: the ratio of the largest fsdp rank's peak to
+the single process's (target <= 0.6 for 2 ranks, issue 13), the same above the floor,
+the ratio without rackmend, and the ratio of rackmend's shares (peak minus the plain
+arm's). Not a test: the numbers depend on the allocator and the machine.
+
+Run 2026-12-04 (2-core CPU VM, gloo, 101M parameters, 386 MiB fp32, 12 steps, 4
+sequences per step, results/learner_memory.json), peaks in MiB:
+
+    allocator  single-plain  fsdp-plain  single  fsdp rank  ratio  ratio without rackmend
+    glibc              2100        1699    3775       2546  0.675                   0.809
+    mmap               1941        1279    3613       1976  0.547                   0.659
+
+Where an FSDP2 rank's memory goes (mmap, plain): 228 floor (the interpreter and torch,
+the same in every process), +77 gloo, DTensor's modules and the mesh (the single
+process pays ~70 of module loading when it builds its optimizer), +193 this rank's
+shard (``to_empty`` allocates only it: ``built`` - ``mesh`` = 197; no full tensor is
+ever materialised), +193 gradient shard and +386 AdamW moments: 1104 steady, then
++175 while a block is unsharded (its gathered parameters and gradients and the gloo
+all-gather / reduce-scatter buffers, 50 MB each for a 12.6M-parameter block). Under
+glibc's defaults the same rank peaks 420 MiB higher (1699): freed tensors of earlier
+steps that glibc keeps in its heap (its mmap threshold rises to 32 MiB after the first
+mapped block is freed). In a probe, ``malloc_trim(0)`` after each step gave them back
+(RSS 1380 -> 1108). That retention is the "extra ~500 MB" of the first runs; it costs
+the fsdp rank more than the single process (+159 MiB there) because FSDP2 allocates
+and frees per block every step. With it gone, FSDP2 alone still keeps 0.659 of the
+single process's peak on CPU (0.614 above the floor): the floor and the +77 are per
+process, and the unsharded block is extra. With rackmend the ratio falls to 0.547,
+since rackmend's part is proportional to the shard.
+
+rackmend's own share is proportional to the shard: at join the link keeps a copy of the
+pieces this rank owns (to seed a fresh syncer) and the learner holds the global value,
+2 x shard (+388 MiB fsdp rank, +774 single); at the peak 697 MiB (3.6 x shard) vs 1673
+(4.3 x params), ratio 0.42 (mmap) / 0.51 (glibc). First runs (per-rank batch 2 in every
+arm, glibc only): 0.665, FSDP2 alone 0.84.
 """
 
 from __future__ import annotations
