@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -54,19 +55,27 @@ def finish(name: str, out: Path | None, payload: dict[str, Any], result: dict[st
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
 
-def start_syncer(workdir: Path) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def running_syncer(workdir: Path) -> Iterator[str]:
     """A ``rackmend syncer`` with default settings on 127.0.0.1 (port chosen by the OS),
-    its log and output in ``workdir`` (created); (process, endpoint) once it listens."""
+    its log and output in ``workdir`` (created); yields its endpoint once it listens and
+    stops it (SIGTERM, then SIGKILL after 30 s) on the way out."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "syncer.endpoint"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready),
          "--log", str(workdir / "events.jsonl")],
         stdout=open(workdir / "syncer.out", "wb"), stderr=subprocess.STDOUT)
-    end = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
+    try:
+        end = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise SystemExit(f"the syncer did not start: {(workdir / 'syncer.out').read_text()[-2000:]}")
+            time.sleep(0.05)
+        yield ready.read_text()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            raise SystemExit(f"the syncer did not start: {(workdir / 'syncer.out').read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, ready.read_text()

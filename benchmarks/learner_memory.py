@@ -68,7 +68,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import finish, parser, start_syncer
+from _common import finish, parser, running_syncer
 
 
 ARMS = ("single-plain", "single", "fsdp-plain", "fsdp")
@@ -215,15 +215,8 @@ def main() -> None:
             runs[alloc] = {}
             for arm in ARMS:
                 # A syncer per arm, so each arm joins a fresh run with its own layout owner.
-                syncer, endpoint = start_syncer(workdir / f"syncer-{alloc}-{arm}")
-                try:
+                with running_syncer(workdir / f"syncer-{alloc}-{arm}") as endpoint:
                     runs[alloc][arm] = _run_arm(a, arm, alloc, endpoint, workdir)
-                finally:
-                    syncer.terminate()
-                    try:
-                        syncer.wait(30)
-                    except subprocess.TimeoutExpired:
-                        syncer.kill()
     first = runs[a.allocators[0]]["single"][0]
     print(f"\nhost memory per learner rank (MiB), demo GPT of {first['params']:,} parameters "
           f"({first['params'] * 4 / 2**20:.0f} MiB fp32), {a.steps} steps, {a.batch * a.ranks} sequences per step:")

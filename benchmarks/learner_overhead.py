@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _common import finish, parser, start_syncer
+from _common import finish, parser, running_syncer
 
 HERE = Path(__file__).resolve().parent
 
@@ -145,8 +145,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rackmend-overhead-") as tmp:
         workdir = Path(tmp)
-        syncer, endpoint = start_syncer(workdir)
-        try:
+        with running_syncer(workdir) as endpoint:
             if a.rack == "single":
                 out = _rank_main(a, endpoint)
             else:
@@ -158,12 +157,6 @@ def main() -> None:
                 if rc != 0:
                     raise SystemExit(f"the {a.ranks}-rank fsdp rack exited {rc}")
                 out = json.loads(result_file.read_text())
-        finally:
-            syncer.terminate()
-            try:
-                syncer.wait(30)
-            except subprocess.TimeoutExpired:
-                syncer.kill()
     assert out is not None
     arms, ratios = out["arms"], out["ratios"]
     med = {k: statistics.median(v) for k, v in arms.items()}
