@@ -349,6 +349,18 @@ class Hello:
     refuses the learner by name."""
 
 
+def _codec_setting(raw: dict[str, Any], name: str) -> str:
+    """A codec spec among a hello's settings, bounded and parsed (not built)."""
+    spec = _field(raw, name, str)
+    if len(spec) > _MAX_CODEC_SPEC:
+        raise WireError(f"hello: settings.{name} is longer than {_MAX_CODEC_SPEC} characters")
+    try:
+        parse_codec_spec(spec)
+    except CodecError as exc:
+        raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
+    return spec
+
+
 def parse_hello(msg: Message) -> Hello:
     """Every field of a ``hello``; the settings must be complete and self-consistent."""
     h = msg.header
@@ -389,14 +401,7 @@ def parse_hello(msg: Message) -> Hello:
         raise WireError(f"hello: settings say num_fragments={values['num_fragments']}, the layout has "
                         f"{len(layout)} fragments")
     for name in ("uplink", "downlink"):
-        spec = _field(raw, name, str)
-        if len(spec) > _MAX_CODEC_SPEC:
-            raise WireError(f"hello: settings.{name} is longer than {_MAX_CODEC_SPEC} characters")
-        try:
-            parse_codec_spec(spec)
-        except CodecError as exc:
-            raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
-        values[name] = spec
+        values[name] = _codec_setting(raw, name)
     if "desloc" in raw:
         if _field(raw, "desloc", bool) is not True:
             raise WireError("hello: settings.desloc is sent only when true")
@@ -404,14 +409,7 @@ def parse_hello(msg: Message) -> Hello:
         if ku % values["sync_every"] or kv % values["sync_every"]:
             raise WireError(f"hello: desloc_ku {ku} and desloc_kv {kv} must be multiples of sync_every "
                             f"{values['sync_every']}")
-        moments = _field(raw, "moments", str)
-        if len(moments) > _MAX_CODEC_SPEC:
-            raise WireError(f"hello: settings.moments is longer than {_MAX_CODEC_SPEC} characters")
-        try:
-            parse_codec_spec(moments)
-        except CodecError as exc:
-            raise WireError(f"hello: settings.moments: {str(exc)[:300]}") from None
-        values.update(desloc=True, desloc_ku=ku, desloc_kv=kv, moments=moments)
+        values.update(desloc=True, desloc_ku=ku, desloc_kv=kv, moments=_codec_setting(raw, "moments"))
     pieces = None
     if "pieces" in h:
         raw_pieces = _field(h, "pieces", list)
