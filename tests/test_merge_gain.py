@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
+from rackmend.core.syncer import HARMFUL_LOSS, HARMFUL_STREAK
 from rackmend.transport.inprocess import InProcessSyncer
 
 from helpers import batch, make_inner, make_model, run_threads, serving, train
@@ -34,13 +35,18 @@ def _probe(model: torch.nn.Module):
     return lambda: float(model(x, y))
 
 
-def _train_pair(config: RackmendConfig, connect, steps: int = 40) -> dict[str, list[float | None]]:
+def _train_pair(config: RackmendConfig, connect, steps: int = 40,
+                seen: dict[str, set[float]] | None = None) -> dict[str, list[float | None]]:
+    """Each learner's last gain per fragment; every gain measured on the way, into ``seen``."""
     gains: dict[str, list[float | None]] = {}
 
     def rack(lid: str) -> None:
         model = make_model()
         opt = RackmendOptimizer(model, make_inner(model), config, connect(), learner_id=lid, probe_loss=_probe(model))
-        train(opt, model, lid, range(1, steps + 1))
+        for t in range(1, steps + 1):
+            train(opt, model, lid, range(t, t + 1))
+            if seen is not None:
+                seen.setdefault(lid, set()).update(g for g in opt.merge_gains if g is not None)
         gains[lid] = list(opt.merge_gains)
         opt.close()
 
@@ -72,11 +78,30 @@ def test_an_absurd_outer_step_shows_as_negative_gain_and_a_warning(caplog: pytes
 def test_gains_travel_over_the_wire_to_the_service_log() -> None:
     config = _config(100.0)
     svc, records, thread = serving(config)
+    measured: dict[str, set[float]] = {}
     try:
-        _train_pair(config, lambda: ZmqLink(svc.endpoint, heartbeat_s=0.2), steps=24)
+        _train_pair(config, lambda: ZmqLink(svc.endpoint, heartbeat_s=0.2), steps=48, seen=measured)
     finally:
         svc.stop()
         thread.join(20)
     merges = [r for r in records if r["event"] == "merge" and r["gains"]]
-    assert merges and statistics.median(g for r in merges for g in r["gains"].values()) < -0.1
-    assert any(r["event"] == "merge_harmful" for r in records)
+    assert len(merges) >= 5, "gains did not reach the service's merge records"
+    # What the service logs is what each learner measured, unchanged by the trip. Which
+    # merges carry a gain depends on timing, so the check is membership, not order; the
+    # size of the gains is the in-process test's subject (over the wire, timing moves it).
+    for r in merges:
+        for lid, g in r["gains"].items():
+            assert g in measured[lid], (lid, g, measured[lid])
+    assert min(g for r in merges for g in r["gains"].values()) < -0.5
+    # The warning fires on the streak the logged gains show (whether timing gave one is
+    # not this test's subject): recompute it from the log and compare.
+    streak: dict[int, int] = {}
+    expected = set()
+    for r in merges:
+        values = sorted(r["gains"].values())
+        harmful = values[len(values) // 2] < -HARMFUL_LOSS
+        streak[r["fragment"]] = streak.get(r["fragment"], 0) + 1 if harmful else 0
+        if streak[r["fragment"]] == HARMFUL_STREAK:
+            expected.add((r["fragment"], r["round"]))
+    warned = [r for r in records if r["event"] == "merge_harmful"]
+    assert {r["fragment"] for r in warned} == {p for p, _ in expected}, (warned, expected)
