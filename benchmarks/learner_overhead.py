@@ -19,8 +19,10 @@ numbers depend on the machine; the JSON keeps every sample.
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -55,7 +57,7 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
     device = torch.device(a.device, rank % max(1, torch.cuda.device_count())) if a.device == "cuda" else torch.device("cpu")
     if a.device == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (a.ranks if sharded else 1)))
+    torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 2) // (a.ranks if sharded else 1)))
     cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=128) if a.quick else GPTConfig(
         block_size=128, n_layer=6, n_head=8, n_embd=512)
 
@@ -78,6 +80,22 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
                                  ZmqLink(endpoint), learner_id="bench")
     corpus = ByteCorpus()
     g = torch.Generator().manual_seed(rank)
+    # rackmend's own host time per step (its bookkeeping, snapshots, sends, applies),
+    # apart from the inner step, so a slow arm shows whether rackmend's code is the cost.
+    host: list[float] = []
+    profile = cProfile.Profile() if a.profile and rank == 0 else None
+    bookkeeping = rack_opt.after_inner_step
+
+    def timed_bookkeeping(tokens: float) -> None:
+        t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        bookkeeping(tokens)
+        if profile is not None:
+            profile.disable()
+        host.append(time.perf_counter() - t0)
+
+    rack_opt.after_inner_step = timed_bookkeeping  # type: ignore[method-assign]
 
     def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
         if a.device == "cuda":
@@ -101,6 +119,9 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
     for x, y in batches[:3]:  # warm-up: allocator, kernels, the first sends
         step(plain, plain_opt, x, y)
         step(tracked, rack_opt, x, y)
+    host.clear()
+    if profile is not None:
+        profile = cProfile.Profile()
     for r in range(a.repeats):
         order = [("plain", plain, plain_opt), ("rackmend", tracked, rack_opt)]
         means = {}
@@ -117,8 +138,11 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
         dist.destroy_process_group()
     if rank != 0:
         return None
+    if profile is not None:
+        print(f"\nrackmend's bookkeeping (after_inner_step) on rank 0, top {a.profile} by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(a.profile)
     params = sum(p.numel() for p in plain.parameters())
-    return {"arms": arms, "ratios": ratios, "params_per_rank": params, "model": cfg.__dict__}
+    return {"arms": arms, "ratios": ratios, "host": host, "params_per_rank": params, "model": cfg.__dict__}
 
 
 def main() -> None:
@@ -130,6 +154,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="alternating block pairs (default 5 quick, 12)")
     p.add_argument("--block", type=int, default=None, help="steps per block (default 24 quick, 48)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: the cores divided by the ranks)")
+    p.add_argument("--syncer-threads", type=int, default=None,
+                   help="the syncer's torch threads (default: every core; a real syncer has its own machine)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N functions with the most own time in rackmend's per-step bookkeeping")
     p.add_argument("--endpoint", default=None, help=Path(__file__).name + " sets this when it relaunches itself")
     a = p.parse_args()
     a.repeats = a.repeats or (5 if a.quick else 12)
@@ -145,7 +175,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rackmend-overhead-") as tmp:
         workdir = Path(tmp)
-        with running_syncer(workdir) as endpoint:
+        with running_syncer(workdir, a.syncer_threads) as endpoint:
             if a.rack == "single":
                 out = _rank_main(a, endpoint)
             else:
@@ -165,13 +195,17 @@ def main() -> None:
     for k, v in arms.items():
         print(f"{k:<10} {med[k] * 1e3:>10.2f} {_percentile(v, 0.1) * 1e3:>8.2f} {_percentile(v, 0.9) * 1e3:>8.2f} "
               f"{len(v):>6}")
+    host_ms = statistics.median(out["host"]) * 1e3
+    print(f"rackmend's bookkeeping per step (host, inside the rackmend arm's time): median {host_ms:.2f} ms, "
+          f"p90 {_percentile(out['host'], 0.9) * 1e3:.2f} ms")
     ratio = med["rackmend"] / med["plain"]
     print(f"ratio of medians {ratio:.3f}; per-repeat ratio median {statistics.median(ratios):.3f} "
           f"[{min(ratios):.3f}, {max(ratios):.3f}]")
     finish(f"learner_overhead-{a.rack}-{a.device}", a.out,
            {"inputs": {k: v for k, v in vars(a).items() if k not in ("endpoint", "out")}, **out},
            {"ratio": ratio, "repeat_ratio_median": statistics.median(ratios), "repeat_ratio_min": min(ratios),
-            "repeat_ratio_max": max(ratios), "plain_ms": med["plain"] * 1e3, "rackmend_ms": med["rackmend"] * 1e3})
+            "repeat_ratio_max": max(ratios), "plain_ms": med["plain"] * 1e3, "rackmend_ms": med["rackmend"] * 1e3,
+            "bookkeeping_ms": host_ms})
 
 
 if __name__ == "__main__":

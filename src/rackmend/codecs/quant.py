@@ -207,7 +207,10 @@ class _BlockQuantCodec(Codec):
                 f"{self.name}: input has NaN or Inf values (in {bad} block(s)); "
                 "the syncer rejects them, so they are refused here"
             )
-        scale = absmax / self.qmax
+        # A tensor divisor, not a Python number: CUDA divides by a scalar as a multiply by
+        # its reciprocal (an ulp off at times), the CPU divides; elementwise both divide
+        # exactly, so a device encodes the same bits as the host.
+        scale = absmax / torch.full_like(absmax, float(self.qmax))
         return torch.where(scale >= _TINY, scale, 0.0)
 
     def _levels(self, flat: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
