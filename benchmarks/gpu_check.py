@@ -35,7 +35,12 @@ def main() -> int:
         ("cuda_tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", str(HERE.parent / "tests")]),
         ("codecs", [py, str(HERE / "codecs.py"), "--quick", "--device", "cuda",
                     "--out", str(HERE / "results" / "codecs-cuda.json")]),
-        ("learner_overhead_single", [py, str(HERE / "learner_overhead.py"), "--device", "cuda"]),
+        ("learner_overhead_single", [py, str(HERE / "learner_overhead.py"), "--device", "cuda", "--profile", "12"]),
+        # torch's CPU threads (every core by default) contend with rackmend's host work on a
+        # GPU host; torchrun sets 1 per process, 4 is what docs/integration.md suggests.
+        ("learner_overhead_single_threads4", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
+                                              "--threads", "4", "--out",
+                                              str(HERE / "results" / "learner_overhead-single-cuda-threads4.json")]),
     ]
     if gpus >= 2:
         parts.append(("learner_overhead_fsdp", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",

@@ -7,8 +7,9 @@ gloo on CPU, NCCL on CUDA), ``--device cuda`` on a GPU machine (``make gpu-check
 Two copies of the demo GPT train side by side in each rank: ``plain`` with AdamW
 alone, ``rackmend`` with the same AdamW inside a ``RackmendOptimizer`` talking to a real
 ``rackmend syncer`` process on 127.0.0.1 (no added latency; the syncer is the only
-other learner-facing process). Blocks of ``--block`` steps alternate between the two
-(the order flips every repeat), so both see the same machine load. Each step is timed
+other learner-facing process, with 2 CPU threads: ``--syncer-threads``). Blocks of
+``--block`` steps alternate between the two (the order flips every repeat), so both
+see the same machine load. Each step is timed
 to the end of the optimizer step (CUDA synchronised), sends and applies included.
 
 Reported: median step time per arm with its spread (10th-90th percentile), the ratio
@@ -156,8 +157,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: the cores divided by the ranks)")
-    p.add_argument("--syncer-threads", type=int, default=None,
-                   help="the syncer's torch threads (default: every core; a real syncer has its own machine)")
+    p.add_argument("--syncer-threads", type=int, default=2,
+                   help="the syncer's torch threads (default 2: a real syncer has its own machine; here it shares "
+                        "the learner's, and at every core it slowed rackmend's host work 2x on a 16-core GPU host); "
+                        "0: torch's default, every core")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N functions with the most own time in rackmend's per-step bookkeeping")
     p.add_argument("--endpoint", default=None, help=Path(__file__).name + " sets this when it relaunches itself")
@@ -175,7 +178,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rackmend-overhead-") as tmp:
         workdir = Path(tmp)
-        with running_syncer(workdir, a.syncer_threads) as endpoint:
+        with running_syncer(workdir, a.syncer_threads or None) as endpoint:
             if a.rack == "single":
                 out = _rank_main(a, endpoint)
             else:

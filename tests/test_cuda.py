@@ -44,11 +44,14 @@ def _cuda_model() -> nn.Module:
     return OnDevice(make_model(), "cuda")
 
 
-def test_cuda_learners_match_the_reference_on_the_device() -> None:
+# keep_local keeps the copy taken at the send on the device (not in host memory): the
+# apply must still give the reference's merged + (local - at send).
+@pytest.mark.parametrize("apply", ["overwrite", "keep_local"])
+def test_cuda_learners_match_the_reference_on_the_device(apply: str) -> None:
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1),
         syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1")),
-        learner=LearnerConfig(wait_timeout=60),
+        learner=LearnerConfig(wait_timeout=60, apply=apply),
         deterministic=True,
     )
     ids, steps = ["l0", "l1"], 12

@@ -77,6 +77,8 @@ class Rack:
         """Per fragment, this rank's block of each tensor."""
         self.clock = 100.0
         self.sent: list[SendFragment] = []
+        self.keep_elsewhere = False
+        """Answer ``keep`` snapshots with a separate ``at_send`` copy (as a CUDA driver does)."""
         for p in range(len(self.specs)):
             joined = Update(p, 0, tuple(t.clone() for t in self.local[p]))
             acts = self.run(self.core.handle(JoinedValue(joined), self.clock))
@@ -95,7 +97,11 @@ class Rack:
             out.append(a)
             if isinstance(a, TakeSnapshot):
                 snap = [t.clone() for t in self.local[a.fragment]]
-                out += self.run(self.core.handle(SnapshotTaken(a.fragment, snap), self.clock))
+                at_send = [t.clone() for t in snap] if self.keep_elsewhere and a.keep else None
+                out += self.run(self.core.handle(SnapshotTaken(a.fragment, snap, at_send), self.clock))
+                if at_send is not None:
+                    for t in snap:  # a reused (pinned) buffer: overwritten before the apply
+                        t.fill_(math.nan)
             elif isinstance(a, (SetValue, Rebase, ApplyValue)):
                 a.apply_to(self.local[a.fragment])
             elif isinstance(a, SendFragment):
@@ -181,6 +187,25 @@ def test_value_applies_at_t_send_plus_tau_by_rule(rule: str, expected: float) ->
     f = rack.core.fragments[0]
     assert (f.version, f.in_flight, f.arrived, f.version_lag) == (1, None, None, 0)
     assert torch.equal(f.held[0], full(1.0))
+
+
+def test_keep_local_applies_with_the_copy_kept_apart_from_the_snapshot() -> None:
+    rack = Rack(cfg(H=4, P=1, tau=1, apply="keep_local"))
+    rack.keep_elsewhere = True  # the snapshot buffer is overwritten right after the send
+    rack.steps(4)
+    (apply,) = of(rack.step([Update(0, 1, (full(1.0),))]), ApplyValue)
+    assert torch.equal(apply.at_send[0], full(-4 * LR))
+    assert torch.equal(rack.local[0][0], full(1.0 + (-5 * LR - -4 * LR)))
+
+
+def test_an_at_send_copy_of_another_shape_is_refused() -> None:
+    rack = Rack(cfg(H=2, P=1, tau=1, apply="keep_local"))
+    rack.step()
+    rack.train()
+    (take,) = of(rack.core.handle(InnerStepDone(TOKENS, ()), rack.clock), TakeSnapshot)
+    snap = [t.clone() for t in rack.local[0]]
+    with pytest.raises(ValueError, match="at_send has shapes"):
+        rack.core.handle(SnapshotTaken(take.fragment, snap, [torch.zeros(N + 1)]), rack.clock)
 
 
 @pytest.mark.parametrize("rule", ["overwrite", "keep_local"])

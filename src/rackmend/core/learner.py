@@ -134,8 +134,12 @@ class SnapshotTaken:
 
     fragment: int
     pieces: Pieces
-    """Host tensors, one per piece. When the action said ``keep``, memory the driver
-    does not reuse (the core holds it until the fragment's value is applied)."""
+    """Host tensors, one per piece. When the action said ``keep`` and ``at_send`` is None,
+    memory the driver does not reuse (the core holds it until the value is applied)."""
+    at_send: Pieces | None = None
+    """``keep``: where the driver keeps the copy the value's application needs, when not
+    in ``pieces`` (a CUDA driver keeps it on the device: a copy there costs no host time
+    and the apply then needs no host-to-device transfer). Same shapes as ``pieces``."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +295,8 @@ class ApplyValue:
     alpha: float
     """``mix``: the share of the local value kept."""
     at_send: Pieces | None
-    """``keep_local``: the host snapshot taken at the send; the progress since then stays."""
+    """``keep_local``: the copy taken at the send (host, or where ``SnapshotTaken.at_send``
+    kept it); the progress since then stays."""
 
     @torch.no_grad()
     def apply_to(self, pieces: Sequence[torch.Tensor]) -> None:
@@ -303,7 +308,7 @@ class ApplyValue:
                 piece.mul_(self.alpha).add_(value, alpha=1 - self.alpha)
             else:
                 assert self.at_send is not None
-                progress = piece - self.at_send[i].to(piece.device)
+                progress = piece - self.at_send[i].to(piece.device, non_blocking=True)
                 piece.copy_(value + progress)
 
 
@@ -646,7 +651,11 @@ class LearnerCore:
             if (tuple(t.shape) != block.shape) if block is not None else t.numel():
                 raise ValueError(f"the snapshot of fragment {p}, {spec.name}: shape {list(t.shape)}, this rank "
                                  f"holds {list(block.shape) if block is not None else 'nothing'} of it")
-        keep = event.pieces if self.rule == "keep_local" else None
+        shapes = [list(t.shape) for t in event.pieces]
+        if event.at_send is not None and [list(t.shape) for t in event.at_send] != shapes:
+            raise ValueError(f"the snapshot of fragment {p}: at_send has shapes "
+                             f"{[list(t.shape) for t in event.at_send]}, the pieces {shapes}")
+        keep = (event.pieces if event.at_send is None else event.at_send) if self.rule == "keep_local" else None
         if not f.owns:
             f.in_flight = InFlight(self.step, keep, f.counts())
             return

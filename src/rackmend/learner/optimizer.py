@@ -391,9 +391,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
         for a in actions:
             if isinstance(a, TakeSnapshot):
                 pieces = self._snapshot(a.fragment)
+                at_send = None
                 if a.keep and a.fragment in self._pinned:
-                    pieces = [t.clone() for t in pieces]  # pinned buffers are reused at the next send
-                self._run(self.core.handle(SnapshotTaken(a.fragment, pieces), self._clock()))
+                    # The pinned buffers are reused at the next send; the copy to keep stays
+                    # on the device, queued behind this step's kernels (no host time, and the
+                    # apply then reads it there). Costs the fragments in flight in device memory.
+                    with torch.no_grad():
+                        at_send = [t.detach().clone() for t in self._params[a.fragment]]
+                self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
             elif isinstance(a, SendFragment):
                 self.link.send(a.contribution)
                 self.bytes_sent += a.nbytes

@@ -405,7 +405,7 @@ class SyncerService:
         try:
             while not self._stop.is_set():
                 # No per-peer POLLOUT on a ROUTER: while something waits for room, retry soon.
-                timeout = 0.01 if any(self._outboxes.values()) else 0.1
+                timeout = 0.01 if any(box.sendable() for box in self._outboxes.values()) else 0.1
                 deadline = self.core.next_deadline() if self.core else None
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - self.clock()))

@@ -52,6 +52,24 @@ class Outbox:
         """Whether messages wait to be sent (in-flight ones do not count)."""
         return bool(self._control or self._latest or self._last)
 
+    def sendable(self, now: float | None = None) -> bool:
+        """Whether ``flush`` would send something now. A data message held until the last
+        one of its key is acknowledged does not count until ``ack_timeout`` frees the key:
+        a caller that polls for room only while this is true does not spin meanwhile."""
+        now = time.monotonic() if now is None else now
+        if self._control:
+            return True
+        if any(k not in self._inflight or now - self._inflight[k] > self.ack_timeout for k in self._latest):
+            return True
+        return bool(self._last) and not self._latest
+
+    def next_expiry(self) -> float | None:
+        """When (``time.monotonic``) the earliest held data message stops waiting for its
+        key's acknowledgement; None when none waits. A caller sleeping on its socket wakes
+        by then: no acknowledgement may ever come."""
+        due = [self._inflight[k] + self.ack_timeout for k in self._latest if k in self._inflight]
+        return min(due) if due else None
+
     @property
     def control_pending(self) -> int:
         """Control messages waiting to be sent."""

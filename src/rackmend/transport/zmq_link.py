@@ -283,8 +283,11 @@ class ZmqLink(QueueLink):
             next_beat = time.monotonic() + self.heartbeat_s
             beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
             while True:
-                poller.modify(dealer, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
-                wake = next_beat if self._hello_due is None else min(next_beat, self._hello_due)
+                # POLLOUT only while something can leave: a contribution held for its
+                # fragment's acknowledgement would make every poll return at once (a busy
+                # loop that takes the GIL from the training thread).
+                poller.modify(dealer, zmq.POLLIN | (zmq.POLLOUT if self._outbox.sendable() else 0))
+                wake = min(t for t in (next_beat, self._hello_due, self._outbox.next_expiry()) if t is not None)
                 ready = dict(poller.poll(max(0.0, wake - time.monotonic()) * 1000))
                 if ready.get(pipe, 0) & zmq.POLLIN:
                     msg = pipe.recv_multipart(copy=False)
