@@ -18,6 +18,7 @@ import torch
 from rackmend.config import CompressionConfig, LearnerConfig, RackmendConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
 from rackmend.core.learner import (
+    _difference,
     ApplyDue,
     ApplyValue,
     Change,
@@ -538,3 +539,13 @@ def test_driver_mistakes_raise() -> None:
         LearnerCore(cfg(), [spec], learner_id="a")
     with pytest.raises(RuntimeError, match="has not sent"):
         Rack(cfg(H=4, P=2), world_size=2).core.handle(ChangeAgreed(1, Change.APPLY, Update(1, 1, (full(0.0),))), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_outer_gradient_subtraction_has_torchs_bits(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(300, 70, generator=g) * 1e3).to(dtype)
+    b = torch.randn(300, 70, generator=g).to(dtype)
+    for x, y in ((a, b), (a.t(), b.t()), (a[::3], b[::3]), (a[0, 0], b[0, 0])):
+        got = _difference(x, y)
+        assert got.dtype == dtype and got.shape == x.shape and torch.equal(got, x - y)
