@@ -82,3 +82,26 @@ def test_cuda_learners_match_the_reference_on_the_device(apply: str) -> None:
         for name, ref in ref_models[lid].named_parameters():
             assert got[name].is_cuda, f"{lid}.{name} left the device"
             torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=f"{lid}.{name}")
+
+
+def test_keep_local_copies_in_device_memory_stay_bounded_while_no_value_comes() -> None:
+    """With no merge coming back (quorum never met), every fragment stays in flight: the
+    at-send copies kept on the device stop at what the schedule keeps in flight plus one,
+    the rest go to host memory, so an outage cannot fill the GPU with copies of the model."""
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=4, num_fragments=4, overlap=1),
+        syncer=SyncerConfig(min_quorum=2, learners=("l0", "l1")),  # l1 never comes: no merge
+        learner=LearnerConfig(apply="keep_local"),
+    )
+    hub = InProcessSyncer.for_model(config, OnDevice(make_model(), "cpu"))
+    model = _cuda_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+    try:
+        train(opt, model, "l0", range(1, 21))
+        kept = [f.in_flight.at_send[0] for f in opt.core.fragments if f.in_flight is not None]
+        assert len(kept) == 4, "every fragment should be in flight"
+        on_device = sum(t.is_cuda for t in kept)
+        assert 1 <= on_device <= 2 and len(kept) - on_device >= 2, [t.device for t in kept]
+    finally:
+        opt.close()
+        hub.close()

@@ -374,7 +374,8 @@ class InFlight:
     step: int
     """t_send: the inner step after which it was sent."""
     at_send: Pieces | None
-    """The host snapshot at the send, kept for ``keep_local``."""
+    """The copy taken at the send, kept for ``keep_local`` (host, or where the driver
+    kept it: ``SnapshotTaken.at_send``)."""
     counts: tuple[int, float, float]
     """(c_steps, c_tokens, c_time) at the send: what the send carried."""
 

@@ -162,6 +162,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
         DTensor, this rank's local shard (a view: writing it writes the parameter). The
         pieces the core's values and actions are about."""
+        self._device_copies = -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1
+        """keep_local on CUDA: fragments in flight whose at-send copy may stay in device
+        memory, what the schedule keeps in flight plus one; copies beyond go to the host."""
         self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
                                 world_size=self.world_size, layout=self._pieces.layout)
         """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
@@ -392,12 +395,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
             if isinstance(a, TakeSnapshot):
                 pieces = self._snapshot(a.fragment)
                 at_send = None
-                if a.keep and a.fragment in self._pinned:
-                    # The pinned buffers are reused at the next send; the copy to keep stays
-                    # on the device, queued behind this step's kernels (no host time, and the
-                    # apply then reads it there). Costs the fragments in flight in device memory.
-                    with torch.no_grad():
-                        at_send = [t.detach().clone() for t in self._params[a.fragment]]
+                if a.keep and a.fragment in self._pinned:  # pinned buffers are reused at the next send
+                    if len(self.core.in_flight()) < self._device_copies:
+                        # The copy to keep stays on the device, queued behind this step's
+                        # kernels: no host time, and the apply reads it there.
+                        with torch.no_grad():
+                            at_send = [t.detach().clone() for t in self._params[a.fragment]]
+                    else:  # values late or the syncer away: device memory is not for piling copies up
+                        pieces = [t.clone() for t in pieces]
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
             elif isinstance(a, SendFragment):
                 self.link.send(a.contribution)
