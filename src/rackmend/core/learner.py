@@ -702,6 +702,8 @@ class LearnerCore:
         f.arrived = upd
         if f.pin == _key(upd):
             f.pinned = upd
+        elif upd.reset and f.pinned is not None and not (f.pinned.reset and f.pinned.epoch == upd.epoch):
+            f.pinned = None  # a value from before the rejoin: never adopted
 
     def _snapshot_taken(self, event: SnapshotTaken, actions: list[LearnerAction]) -> None:
         p = event.fragment
