@@ -121,11 +121,11 @@ class Offer:
     """What one rank owning pieces of a fragment offers at a step (``ShareChanges``)."""
 
     change: Change
-    """``NONE``: not due, or due with nothing received yet; ``APPLY``: due, ``values``
-    received; ``ADOPT``: a rejoin answer received (``values``)."""
+    """``NONE``: not due (``values`` may be held already), or due with nothing received
+    yet; ``APPLY``: due, with ``values``; ``ADOPT``: a rejoin answer received."""
     values: tuple[ValueKey, ...] = ()
-    """The values this rank holds and could change to now, newest first: the newest
-    received and, while the owners disagree, the pinned one (at most 2)."""
+    """The values this rank holds, newest first: the newest received and the pinned one
+    (``FragmentState.pin``) when it holds that too; at most 2."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -297,10 +297,11 @@ class WaitForVersion:
 class ShareChanges:
     """Multi-rank: gather every rank's ``offers`` (a collective: every rank makes one per
     ``ApplyDue``) and answer ``OffersShared`` with them. A fragment changes when every
-    rank owning a piece of it offers the same change and holds a value in common (the
-    newest such is taken): an owner offering ``Change.NONE`` holds it back, so every
-    rank's blocks change at the same step. Offers not agreed on are made again at the
-    next ``ApplyDue``."""
+    rank owning a piece of it offers the same change and they hold a value in common
+    (the newest such is taken): an owner offering ``Change.NONE`` holds it back, so every
+    rank's blocks change at the same step. Where their values differ, the core pins one
+    for them to converge on. Offers not agreed on are made again at the next
+    ``ApplyDue``."""
 
     offers: tuple[Offer | None, ...]
     """One per fragment: this rank's offer where it owns pieces of it, else None."""
@@ -471,11 +472,12 @@ class FragmentState:
     different ones, the same on every rank (from the gathered offers); None while they
     agree."""
     pinned: Update | None = None
-    """This rank's received value of ``pin``, kept when newer ones arrive (so an owner
-    holds at most two values not applied: ``arrived`` and this)."""
+    """This rank's received value of ``pin``, kept when newer ones arrive: an owner holds
+    at most two received values not applied, ``arrived`` and this, each of its owned
+    pieces only."""
     split: tuple[int, float, int] | None = None
-    """Multi-rank: (step, now, step of the next warning) since the owners first offered
-    values without one in common; None while they agree."""
+    """Multi-rank: (step, now, step of the next warning) since the owners, due, first held
+    no value in common; None while they agree."""
     merge_gain: float | None = None
     """Relative probe-loss change (before - after) / before of the last value applied."""
     gain_to_report: float | None = None
@@ -677,13 +679,13 @@ class LearnerCore:
 
     def _absorb(self, upd: Update, actions: list[LearnerAction]) -> None:
         f = self._fragment(upd.fragment)
-        pending = f.arrived is not None and f.arrived.reset
-        if self.world_size > 1 and pending and not upd.reset and upd.epoch == f.arrived.epoch:
+        pending = f.arrived if f.arrived is not None and f.arrived.reset else None
+        if self.world_size > 1 and pending is not None and not upd.reset and upd.epoch == pending.epoch:
             # A newer value of the run whose rejoin answer waits to be adopted is adopted
-            # as well: the rack's ranks may have rejoined versions apart.
+            # instead: the rack's ranks may have rejoined versions apart.
             upd = replace(upd, reset=True)
         if upd.reset and self.world_size > 1:
-            if not pending or upd.epoch != f.arrived.epoch or upd.version > f.arrived.version:
+            if pending is None or upd.epoch != pending.epoch or upd.version > pending.version:
                 self._hold(f, upd)  # adopted on every rank at once, at ApplyDue
         elif upd.reset:
             self._adopt(f, upd, actions)
@@ -828,18 +830,18 @@ class LearnerCore:
             common = set.intersection(*(set(o.values) for o in owners.values()))
             if common:
                 return change, max(common)
-        # A rejoin answer waits for the other owners' (they come to every rank), and is
-        # what they converge on; otherwise any value an owner holds.
-        holding = {r: o for r, o in owners.items() if o.values and (o.change == change or change == Change.APPLY)}
+        # Rejoin answers wait for the other owners' (every rank gets one) and are what
+        # they converge on; otherwise any value an owner holds is.
+        holding = {r: o for r, o in owners.items() if o.values and (change == Change.APPLY or o.change == change)}
         if holding:
             self._pin(f, holding, owners, change in changes, now, actions)
         return None
 
     def _pin(self, f: FragmentState, holding: Mapping[int, Offer], owners: Mapping[int, Offer], due: bool,
              now: float, actions: list[LearnerAction]) -> None:
-        """Pin the newest value any owner holds (``holding``: what each offers) unless the
-        pin is still on its way: some owner lacks it and none received a newer one without
-        it. Each owner keeps the pinned value once received, so at the next step they
+        """Pin the newest value any owner holds (``holding``: those offering values) unless
+        the pin is still on its way: some owner lacks it and none received a newer one
+        without it. Each owner keeps the pinned value once received, so at the next step they
         likely hold it in common: an owner whose poll came before another's received the
         pin by its next poll, which comes after the other's (the ranks meet in every
         step's collectives), unless its link delivers more than a step late. Refreshed
@@ -849,15 +851,14 @@ class LearnerCore:
         newest = {r: o.values[0] for r, o in holding.items()}
         skipped = [r for r, o in holding.items() if f.pin is not None and f.pin not in o.values
                    and (newest[r][1] != f.pin[1] or newest[r][0] > f.pin[0])]
-        reached = f.pin is not None and all(f.pin in o.values for o in holding.values())
+        reached = f.pin is not None and all(f.pin in o.values for o in owners.values())
         if f.pin is None or skipped or reached:
-            if skipped:
+            if f.pin is not None and skipped:
                 # In-order links deliver every version; one that fell behind gets the newest
                 # value only (the syncer's outbox), so that pin could never reach it.
                 actions.append(Log(logging.DEBUG, f"rank {self.rank}: fragment {f.index}: rank {skipped[0]} received "
                                                   f"version {newest[skipped[0]][0]} but not the pinned version "
-                                                  f"{f.pin[0] if f.pin else None} (its link skipped it); pinning "
-                                                  "the newest again"))
+                                                  f"{f.pin[0]} (its link skipped it); pinning the newest again"))
             f.pin = max(newest.values())
             f.pinned = f.arrived if f.arrived is not None and _key(f.arrived) == f.pin else None
         if not due:
@@ -869,14 +870,14 @@ class LearnerCore:
         if self.step < warn_at:
             return
         f.split = (since, t0, self.step + 2 * (self.step - since))  # again once it lasted three times as long
-        if self.rank != min(owners):
+        if self.rank != min(owners) or f.pin is None:
             return  # one rank of the rack says it
         held = ", ".join(f"rank {r} v{o.values[0][0]}" if o.values else f"rank {r} none" for r, o in owners.items())
         lacking = [r for r, o in owners.items() if f.pin not in o.values]
         actions.append(Log(logging.WARNING, (
             f"fragment {f.index}: the ranks owning it have not held one merged value in common for "
             f"{self.step - since} steps ({now - t0:.1f} s): newest per rank {held}; pinned version "
-            f"{f.pin[0] if f.pin else None}, not yet received by rank(s) {lacking}. The rack keeps version "
+            f"{f.pin[0]}, not yet received by rank(s) {lacking}. The rack keeps version "
             f"{f.version} meanwhile and its contributions grow stale. A rank's link to the syncer delivers late "
             "or not at all: check that rank's connection and the syncer's log")))
 
