@@ -74,6 +74,7 @@ __all__ = [
     "WaitAnswered",
     "ChangeAgreed",
     "Offer",
+    "MAX_OFFER_VALUES",
     "OffersShared",
     "ProbeMeasured",
     "TrainingResumed",
@@ -115,6 +116,9 @@ class Change(enum.IntEnum):
 ValueKey = tuple[int, int]
 """(version, epoch): names one value of a fragment (``Update``)."""
 
+MAX_OFFER_VALUES = 2
+"""Values an ``Offer`` names at most: the newest received and the pinned one."""
+
 
 @dataclass(frozen=True)
 class Offer:
@@ -125,7 +129,7 @@ class Offer:
     yet; ``APPLY``: due, with ``values``; ``ADOPT``: a rejoin answer received."""
     values: tuple[ValueKey, ...] = ()
     """The values this rank holds, newest first: the newest received and the pinned one
-    (``FragmentState.pin``) when it holds that too; at most 2."""
+    (``FragmentState.pin``) when it holds that too; at most ``MAX_OFFER_VALUES``."""
 
 
 # ----------------------------------------------------------------------------- events

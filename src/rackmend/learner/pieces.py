@@ -16,8 +16,7 @@ The rules (which pieces travel, the outer gradient over them, when values apply)
 the learner core's (``rackmend.core.learner``); this module holds the collectives the
 driver answers the core with: ``gather_offers`` (every rank's offers of a step, from
 which the core decides what changes) and ``spread`` received values to the ranks that
-hold copies. With one rank everything is whole and
-owned.
+hold copies. With one rank everything is whole and owned.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.learner import Change, Offer
+from rackmend.core.learner import MAX_OFFER_VALUES, Change, Offer
 from rackmend.core.messages import Update
 from rackmend.core.pieces import Piece, holders, rank_layout
 from rackmend.transport.base import TransportError
@@ -37,9 +36,6 @@ __all__ = ["RackPieces", "local_block"]
 
 _NONE = -(2**62)
 """Neutral value of a MAX all-reduce (no rank reports anything this small)."""
-
-_OFFER_VALUES = 2
-"""Values an ``Offer`` holds at most (the newest received and the pinned one)."""
 
 
 def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None]:
@@ -145,13 +141,14 @@ class RackPieces:
         if not self.distributed:
             return (tuple(offers),)
         n = len(self.fragments)
-        width = 3 + 2 * _OFFER_VALUES
+        width = 3 + 2 * MAX_OFFER_VALUES
         row = torch.zeros((n, width), dtype=torch.int64)  # [owner, change, count, (version, epoch) x count]
         for p, offer in enumerate(offers):
             if offer is None:
                 continue
-            if len(offer.values) > _OFFER_VALUES:
-                raise ValueError(f"fragment {p}: an offer of {len(offer.values)} values; at most {_OFFER_VALUES} travel")
+            if len(offer.values) > MAX_OFFER_VALUES:
+                raise ValueError(f"fragment {p}: an offer of {len(offer.values)} values; at most "
+                                 f"{MAX_OFFER_VALUES} travel")
             row[p, :3] = torch.tensor([1, int(offer.change), len(offer.values)])
             for i, (version, epoch) in enumerate(offer.values):
                 row[p, 3 + 2 * i:5 + 2 * i] = torch.tensor([version, epoch])
