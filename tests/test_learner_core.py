@@ -368,6 +368,10 @@ def test_ranks_split_fragments_and_agree_on_changes() -> None:
     (apply,) = rack.run(rack.core.handle(ChangeAgreed(1, Change.APPLY, mine), rack.clock))
     assert isinstance(apply, ApplyValue) and torch.equal(rack.local[1][0], full(1.0 - 3 * LR))
     assert rack.core.in_flight() == ()
+    # A newer value, not due: offered, but a lone owner has nobody to converge with.
+    (share,) = of(rack.step([Update(1, 2, (full(3.0),))]), ShareChanges)
+    assert share.offers == (None, Offer(Change.NONE, ((2, 0),)))
+    assert shared(rack, share, r0=(Offer(Change.NONE), None)) == [] and rack.core.fragments[1].pin is None
 
 
 def test_ranks_adopt_a_rejoin_value_together() -> None:

@@ -835,9 +835,10 @@ class LearnerCore:
             if common:
                 return change, max(common)
         # Rejoin answers wait for the other owners' (every rank gets one) and are what
-        # they converge on; otherwise any value an owner holds is.
+        # they converge on; otherwise any value an owner holds is. A lone owner (a plain
+        # rack's fragment) agrees with itself once due.
         holding = {r: o for r, o in owners.items() if o.values and (change == Change.APPLY or o.change == change)}
-        if holding:
+        if holding and len(owners) > 1:
             self._pin(f, holding, owners, change in changes, now, actions)
         return None
 
