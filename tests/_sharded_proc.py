@@ -14,7 +14,8 @@ each rank writes ``<progress>.<rank>`` = the step whose gradient it has (after t
 backward pass, before ``opt.step``) and its versions. ``--step-sleep``: the last rank
 then sleeps that long before its ``opt.step`` (the others wait for it in the step's
 collective), so its pieces trail the other ranks': killed in that sleep, it leaves the
-others' pieces of the step without its own.
+others' pieces of the step without its own. ``--applied-out``: each rank writes
+``<applied-out>.<rank>``, a line ``step fragment version`` per merged value it applied.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> int:
     p.add_argument("--pid-out", type=Path)
     p.add_argument("--progress", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--applied-out", type=Path)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     if a.pid_out:  # before the process group: the test may kill this rank at any point after
@@ -125,6 +127,9 @@ def main() -> int:
         deterministic=a.deterministic,
     )
     opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
+    applied: list[str] = []
+    if a.applied_out:
+        opt.on_apply = lambda p, upd: applied.append(f"{opt.step_count} {p} {upd.version}")
     probe = batch("l9", 10_000)  # held out: a learner id and step no run trains on
 
     def held_out_loss() -> float:
@@ -146,6 +151,8 @@ def main() -> int:
     finally:
         opt.close()
     last = held_out_loss()
+    if a.applied_out:
+        Path(f"{a.applied_out}.{rank}").write_text("".join(f"{line}\n" for line in applied))
     if a.loss_out and rank == 0:
         a.loss_out.write_text(f"{first} {last}")
     whole = {k: full(v).detach().contiguous() for k, v in model.state_dict().items()}

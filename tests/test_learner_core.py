@@ -28,12 +28,15 @@ from rackmend.core.learner import (
     LearnerAction,
     LearnerCore,
     Log,
+    Offer,
+    OffersShared,
     ProbeMeasured,
     Rebase,
     SendFragment,
     SetValue,
     ShareChanges,
     SnapshotTaken,
+    SpreadValue,
     TakeSnapshot,
     TrainingResumed,
     WaitAnswered,
@@ -129,6 +132,15 @@ class Rack:
 
 def of(actions: Sequence[LearnerAction], kind: type) -> list:
     return [a for a in actions if isinstance(a, kind)]
+
+
+def shared(rack: Rack, share: ShareChanges, **others: tuple[Offer | None, ...]) -> list[SpreadValue]:
+    """Answer ``share`` as the driver's all-gather would, the other ranks' offers given
+    as ``r<rank>=...``; returns the changes the core decides on."""
+    table = tuple(share.offers if r == rack.core.rank else others[f"r{r}"] for r in range(rack.core.world_size))
+    acts = rack.core.handle(OffersShared(table), rack.clock)
+    assert all(isinstance(a, (SpreadValue, Log)) for a in acts), acts
+    return of(acts, SpreadValue)
 
 
 # ---------------------------------------------------------------------- the schedule
@@ -372,13 +384,20 @@ def test_ranks_split_fragments_and_agree_on_changes() -> None:
     assert rack.core.in_flight() == (0, 1)
     mine = Update(1, 1, (full(1.0),))
     share = of(rack.step([mine]), ShareChanges)[-1]
-    # Fragment 1 left after step 2: due at 3, applied once all ranks agree.
-    assert share.changes == (Change.NONE, Change.APPLY) and share.updates == {1: mine}
-    (apply,) = rack.run(rack.core.handle(ChangeAgreed(1, Change.APPLY, mine), rack.clock))
-    assert isinstance(apply, ApplyValue) and torch.equal(rack.local[1][0], full(1.0 - 3 * LR))
+    # Fragment 1 left after step 2, fragment 0 (rank 0's) after step 4: both due at 5.
+    assert share.offers == (None, Offer(Change.APPLY, ((1, 0),)))
+    spreads = shared(rack, share, r0=(Offer(Change.APPLY, ((1, 0),)), None))
+    assert spreads == [SpreadValue(0, Change.APPLY, 1, 0, None), SpreadValue(1, Change.APPLY, 1, 0, mine)]
     theirs = Update(0, 1, (full(2.0),))
     (apply,) = rack.run(rack.core.handle(ChangeAgreed(0, Change.APPLY, theirs), rack.clock))
-    assert apply.fragment == 0 and rack.core.in_flight() == ()
+    assert apply.fragment == 0
+    (apply,) = rack.run(rack.core.handle(ChangeAgreed(1, Change.APPLY, mine), rack.clock))
+    assert isinstance(apply, ApplyValue) and torch.equal(rack.local[1][0], full(1.0 - 3 * LR))
+    assert rack.core.in_flight() == ()
+    # A newer value, not due: offered, but a lone owner has nobody to converge with.
+    (share,) = of(rack.step([Update(1, 2, (full(3.0),))]), ShareChanges)
+    assert share.offers == (None, Offer(Change.NONE, ((2, 0),)))
+    assert shared(rack, share, r0=(Offer(Change.NONE), None)) == [] and rack.core.fragments[1].pin is None
 
 
 def test_ranks_adopt_a_rejoin_value_together() -> None:
@@ -387,7 +406,8 @@ def test_ranks_adopt_a_rejoin_value_together() -> None:
     acts = rack.step([reset])
     assert not of(acts, Rebase)  # not on one rank alone
     (share,) = of(acts, ShareChanges)
-    assert share.changes == (Change.ADOPT, Change.NONE) and share.updates == {0: reset}
+    assert share.offers == (Offer(Change.ADOPT, ((4, 2),)), None)
+    assert shared(rack, share, r1=(None, Offer(Change.NONE))) == [SpreadValue(0, Change.ADOPT, 4, 2, reset)]
     (rebase,) = rack.run(rack.core.handle(ChangeAgreed(0, Change.ADOPT, reset), rack.clock))
     assert isinstance(rebase, Rebase) and torch.equal(rack.local[0][0], full(1.0 - LR))
 
@@ -399,7 +419,7 @@ def test_ranks_in_deterministic_mode_wait_then_share() -> None:
     assert wait.fragment == 0
     mine = Update(0, 1, (full(1.0),))
     (share,) = rack.core.handle(WaitAnswered(0, mine), rack.clock)
-    assert isinstance(share, ShareChanges) and share.changes == (Change.APPLY, Change.NONE)
+    assert isinstance(share, ShareChanges) and share.offers == (Offer(Change.APPLY, ((1, 0),)), None)
 
 
 # ---------------------------------------------------------------------- sharded ranks
@@ -462,7 +482,7 @@ def test_sharded_ranks_send_owned_pieces_that_assemble_to_the_single_process_out
     for _ in range(4):
         for rank in [*ranks, single]:
             # Every rank takes part in ShareChanges (none is due to change here).
-            assert all(not any(a.changes) for a in of(rank.step(), ShareChanges))
+            assert all(o is None or o == Offer(Change.NONE) for a in of(rank.step(), ShareChanges) for o in a.offers)
     for p in range(2):
         sends = [(r, s) for r, rank in enumerate(ranks) for s in rank.sent if s.contribution.fragment == p]
         (whole,) = [s for s in single.sent if s.contribution.fragment == p]
@@ -492,11 +512,14 @@ def test_sharded_change_waits_for_every_owner_and_keeps_the_offer() -> None:
     assert sent.contribution.pieces == (Piece(0, (2, 0), (2, 3)),)  # rank 0 owns the bias
     mine = Update(0, 1, (torch.full((2, 3), 5.0),))  # the syncer sends rank 1 its piece only
     (share,) = of(rank.step([mine]), ShareChanges)
-    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
-    # Another owner was not ready: the driver agreed on nothing. The offer stays.
+    assert share.offers == (Offer(Change.APPLY, ((1, 0),)),)
+    # Rank 0, another owner, has received nothing yet: nothing changes. The offer stays.
+    assert shared(rank, share, r0=(Offer(Change.NONE),), r2=(None,), r3=(None,)) == []
     (share,) = of(rank.step(), ShareChanges)
-    assert share.changes == (Change.APPLY,) and share.updates == {0: mine}
+    assert share.offers == (Offer(Change.APPLY, ((1, 0),)),)
     assert rank.core.fragments[0].version == 0
+    (spread,) = shared(rank, share, r0=(Offer(Change.APPLY, ((1, 0),)),), r2=(None,), r3=(None,))
+    assert spread == SpreadValue(0, Change.APPLY, 1, 0, mine)
     # Agreed: the owners' values as this rank holds them (its block of each tensor).
     agreed = Update(0, 1, (torch.full((2, 3), 5.0), torch.full((3,), 7.0)))
     (apply,) = rank.run(rank.core.handle(ChangeAgreed(0, Change.APPLY, agreed), rank.clock))
@@ -504,7 +527,7 @@ def test_sharded_change_waits_for_every_owner_and_keeps_the_offer() -> None:
     assert torch.equal(rank.local[0][0], torch.full((2, 3), 5.0)) and torch.equal(rank.local[0][1], full(7.0))
     assert rank.core.fragments[0].version == 1
     (share,) = of(rank.step(), ShareChanges)
-    assert share.changes == (Change.NONE,) and share.updates == {}
+    assert share.offers == (Offer(Change.NONE),)
 
 
 def test_sharded_layout_mistakes_raise() -> None:
@@ -525,6 +548,143 @@ def test_sharded_layout_mistakes_raise() -> None:
     (snap,) = of(rank.core.handle(InnerStepDone(TOKENS), rank.clock), TakeSnapshot)
     with pytest.raises(ValueError, match=r"shape \[4, 3\], this rank holds \[2, 3\]"):
         rank.core.handle(SnapshotTaken(0, [torch.zeros(4, 3), torch.zeros(3)]), rank.clock)
+
+
+# ---------------------------------------------------------------------- owners holding other versions
+class Fsdp:
+    """Both ranks of a rack holding one (4, 3) tensor as FSDP does (rank 0 rows 0-1, rank 1
+    rows 2-3: each owns its block), stepped in lockstep. The test plays the driver's
+    collectives: the all-gather of the offers, and the spread (a block with one holder:
+    each rank's value is its own pieces)."""
+
+    def __init__(self, config: RackmendConfig) -> None:
+        specs = [FragmentSpec(0, 0, (TensorSpec("w", (4, 3), torch.float32),))]
+        blocks = [[(Piece(0, (2 * r, 0), (2, 3)),)] for r in range(2)]
+        self.ranks = [Rack(config, rank=r, world_size=2, specs=specs, layout=rank_layout(specs, blocks, r))
+                      for r in range(2)]
+        self.logs: list[list[Log]] = [[], []]
+
+    def step(self, got0: Sequence[Update] = (), got1: Sequence[Update] = ()) -> list[tuple[Change, int, int]]:
+        """One step; ``got<r>``: what rank r's link delivered. Returns what changed, the
+        same on both ranks: (change, version, epoch)."""
+        shares = [of(rank.step(got), ShareChanges) for rank, got in zip(self.ranks, (got0, got1))]
+        assert [len(s) for s in shares] == [1, 1]
+        table = tuple(s[0].offers for s in shares)
+        changed = []
+        for r, rank in enumerate(self.ranks):
+            acts = rank.core.handle(OffersShared(table), rank.clock)
+            self.logs[r] += of(acts, Log)
+            spreads = of(acts, SpreadValue)
+            changed.append([(a.change, a.version, a.epoch) for a in spreads])
+            for a in spreads:
+                upd = Update(0, a.version, a.update.tensors, reset=a.change == Change.ADOPT, epoch=a.epoch)
+                rank.run(rank.core.handle(ChangeAgreed(0, a.change, upd), rank.clock))
+        assert changed[0] == changed[1], changed
+        assert all(len(o.values) <= 2 for row in table for o in row if o is not None)  # the memory bound
+        return changed[0]
+
+    def local(self) -> list[float]:
+        """Each rank's value (uniform per rank here)."""
+        return [float(rank.local[0][0][0, 0]) for rank in self.ranks]
+
+
+def val(version: int, epoch: int = 0, reset: bool = False) -> Update:
+    """A rank's block of the merged value of this version: every element = version."""
+    return Update(0, version, (torch.full((2, 3), float(version)),), reset=reset, epoch=epoch)
+
+
+def test_owners_polling_versions_apart_apply_the_pinned_value_together_at_t_send_plus_tau() -> None:
+    """Rank 1 polls after rank 0, so its link has always delivered a version more. The
+    owners pin the newest value either holds and apply it on both at t_send + tau (a rule
+    of "the same newest value on every owner" would never apply anything here)."""
+    rack = Fsdp(cfg(H=4, P=1, tau=2, apply="overwrite"))
+    for _ in range(4):
+        assert rack.step() == []
+    assert [r.core.in_flight() for r in rack.ranks] == [(0,), (0,)]  # sent after step 4, due at 6
+    assert rack.step([val(1)], [val(1), val(2)]) == []  # not due: version 2 pinned
+    assert [r.core.fragments[0].pin for r in rack.ranks] == [(2, 0), (2, 0)]
+    assert rack.step([val(2), val(3)], [val(3), val(4)]) == [(Change.APPLY, 2, 0)]
+    assert rack.local() == [2.0, 2.0] and [r.core.fragments[0].version for r in rack.ranks] == [2, 2]
+    # The newer values stay for the next send's round (sent after step 8, due at 10).
+    assert [r.core.fragments[0].arrived.version for r in rack.ranks] == [3, 4]
+    assert rack.step() == [] and rack.step() == []
+    assert rack.step([val(4), val(5)], [val(5)]) == []
+    assert rack.step() == [(Change.APPLY, 5, 0)]
+    assert rack.local() == [5.0, 5.0]
+    assert rack.logs == [[], []]
+
+
+def test_a_pin_one_rank_skipped_is_replaced_by_the_newest() -> None:
+    """A link that fell behind gets only the newest value (the syncer's outbox replaces
+    unsent ones): a rank that received a version past the pin without it never will, so
+    the owners pin the newest again (logged at debug level) and agree on it."""
+    rack = Fsdp(cfg(H=4, P=1, tau=1, apply="overwrite"))
+    for _ in range(4):
+        rack.step()
+    assert rack.step([val(1)], [val(2)]) == []  # due: no value in common, 2 pinned
+    assert rack.step([val(3)], [val(4)]) == []  # rank 0 skipped 2: 4 pinned
+    assert [r.core.fragments[0].pin for r in rack.ranks] == [(4, 0), (4, 0)]
+    assert any("skipped" in log.message and log.level == logging.DEBUG for log in rack.logs[0])
+    assert rack.step([val(4)], []) == [(Change.APPLY, 4, 0)]
+    assert rack.local() == [4.0, 4.0]
+
+
+def test_owners_split_for_a_whole_period_log_a_warning_naming_the_rank_behind() -> None:
+    """A rank whose link delivers nothing holds the rack back (it cannot apply what that
+    rank lacks); after sync_every steps due without a value in common, one rank of the
+    rack logs a warning naming the ranks, their versions and the pin, and again only once
+    the split has lasted three times as long."""
+    rack = Fsdp(cfg(H=4, P=1, tau=1, apply="overwrite"))
+    for _ in range(4):
+        rack.step()
+    assert rack.step([val(1)], []) == []  # due at 5: rank 1 holds nothing yet
+    for _ in range(12):  # steps 6 to 17
+        assert rack.step() == []
+    assert rack.logs[1] == []  # one rank says it
+    warnings = [log for log in rack.logs[0] if log.level == logging.WARNING]
+    assert len(warnings) == 2  # at step 9 (5 + 4), and at 17 (5 + 3 x 4)
+    for words in ("have not held one merged value in common for 4 steps", "rank 0 v1, rank 1 none",
+                  "pinned version 1, not yet received by rank(s) [1]", "keeps version 0"):
+        assert words in warnings[0].message, warnings[0].message
+    assert "for 12 steps" in warnings[1].message
+    assert rack.local() == [-17 * LR, -17 * LR]  # nothing applied
+    assert rack.step([], [val(1)]) == [(Change.APPLY, 1, 0)]
+    assert rack.local() == [1.0, 1.0]
+
+
+def test_owners_rejoined_versions_apart_adopt_one_value() -> None:
+    """The syncer answered the rack's ranks' rejoins versions apart: the owners pin the
+    newer answer; the rank with the older one adopts the newer value of the same run as
+    well when it arrives, and both rebase onto it at the same step."""
+    rack = Fsdp(cfg(H=4, P=1, tau=1))
+    assert rack.step([val(4, 2, reset=True)], [val(5, 2, reset=True)]) == []
+    assert rack.step([val(5, 2)], [val(6, 2)]) == [(Change.ADOPT, 5, 2)]
+    assert rack.local() == [5.0 - 2 * LR, 5.0 - 2 * LR]
+    assert [(f.version, f.epoch) for f in (r.core.fragments[0] for r in rack.ranks)] == [(5, 2), (5, 2)]
+    # Rank 1's newer value of the run stays, to be applied like any merged value.
+    kept = rack.ranks[1].core.fragments[0].arrived
+    assert kept is not None and (kept.version, kept.epoch, kept.reset) == (6, 2, False)
+
+
+def test_a_rejoin_answer_drops_the_value_pinned_before() -> None:
+    """A syncer resumed from an older checkpoint answers with a lower version of a new
+    run: the value the owners had pinned (of the run before) is dropped, not adopted."""
+    rack = Fsdp(cfg(H=4, P=1, tau=1))
+    for _ in range(4):
+        rack.step()
+    assert rack.step([val(1)], [val(1), val(2)]) == []  # due: 2 pinned
+    assert rack.step([val(2), val(1, 7, reset=True)], [val(1, 7, reset=True)]) == [(Change.ADOPT, 1, 7)]
+    assert rack.local() == [1.0 - 6 * LR, 1.0 - 6 * LR]
+
+
+def test_gathered_offers_that_cannot_be_this_steps_raise() -> None:
+    rack = Fsdp(cfg(H=4, P=1, tau=1))
+    rank = rack.ranks[0]
+    (share,) = of(rank.step([val(1)]), ShareChanges)
+    with pytest.raises(ValueError, match="expected 2 ranks x 1 fragments"):
+        rank.core.handle(OffersShared((share.offers,)), rank.clock)
+    with pytest.raises(RuntimeError, match="but it offered"):
+        rank.core.handle(OffersShared(((Offer(Change.NONE),), share.offers)), rank.clock)
 
 
 # ---------------------------------------------------------------------- misuse

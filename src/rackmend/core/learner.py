@@ -20,7 +20,9 @@ It owns the rules of Decoupled DiLoCo's learner side (``../DESIGN.md`` §1):
 - inside a multi-rank learner, which pieces this rank owns (sends, and receives
   merged values of: ``RankLayout``, from ``rackmend.core.pieces``'s owner rule), the
   outer gradient over those pieces only, and which changes all ranks must agree on
-  at a step (``ShareChanges``).
+  at a step: every owner's offer (``ShareChanges``), gathered from all ranks
+  (``OffersShared``), decides the same on every rank (``SpreadValue``); owners that
+  received different versions pin the newest of them and apply it once all hold it.
 - DES-LOC (``ScheduleConfig.desloc``): every K_u (K_v) steps, with a parameter send of
   the fragment, take Adam's ``exp_avg`` (``exp_avg_sq``) of the fragment's parameters
   (``TakeMoments``), send them with the fragment's counters (``SendMoments``), and
@@ -48,7 +50,7 @@ import enum
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, Union
 
 import numpy as np
@@ -72,6 +74,9 @@ __all__ = [
     "ApplyDue",
     "WaitAnswered",
     "ChangeAgreed",
+    "Offer",
+    "MAX_OFFER_VALUES",
+    "OffersShared",
     "ProbeMeasured",
     "TrainingResumed",
     "MomentsTaken",
@@ -88,6 +93,7 @@ __all__ = [
     "SendFragment",
     "WaitForVersion",
     "ShareChanges",
+    "SpreadValue",
     "ApplyValue",
     "Log",
     "LearnerAction",
@@ -99,13 +105,32 @@ Pieces = list[torch.Tensor]
 
 class Change(enum.IntEnum):
     """What happens to a fragment at a step, as the ranks of a learner agree on it
-    (an integer, so that it travels in the driver's all-reduce)."""
+    (an integer, so that it travels in the driver's all-gather)."""
 
     NONE = 0
     APPLY = 1
     """Apply the merged value by the configured rule."""
     ADOPT = 2
     """Adopt a rejoin answer (``Update.reset``): rebase local progress onto it."""
+
+
+ValueKey = tuple[int, int]
+"""(version, epoch): names one value of a fragment (``Update``)."""
+
+MAX_OFFER_VALUES = 2
+"""Values an ``Offer`` names at most: the newest received and the pinned one."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one rank owning pieces of a fragment offers at a step (``ShareChanges``)."""
+
+    change: Change
+    """``NONE``: not due (``values`` may be held already), or due with nothing received
+    yet; ``APPLY``: due, with ``values``; ``ADOPT``: a rejoin answer received."""
+    values: tuple[ValueKey, ...] = ()
+    """The values this rank holds, newest first: the newest received and the pinned one
+    (``FragmentState.pin``) when it holds that too; at most ``MAX_OFFER_VALUES``."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -157,8 +182,17 @@ class WaitAnswered:
 
 
 @dataclass(frozen=True)
+class OffersShared:
+    """Multi-rank: every rank's ``ShareChanges`` offers of this step, gathered by the
+    driver, the same on every rank: ``offers[r][p]`` is rank r's for fragment p, None
+    where rank r owns no piece of p."""
+
+    offers: tuple[tuple[Offer | None, ...], ...]
+
+
+@dataclass(frozen=True)
 class ChangeAgreed:
-    """Multi-rank: all ranks agreed on ``change`` for ``fragment`` (see ``ShareChanges``);
+    """Multi-rank: all ranks agreed on ``change`` for ``fragment`` (``SpreadValue``);
     ``update`` is the owners' value as this rank holds it: one local tensor per piece
     (``FragmentState.pieces``), the blocks other ranks own brought over by the driver."""
 
@@ -203,8 +237,8 @@ class MomentsAnswered:
     update: MomentUpdate
 
 
-LearnerEvent = Union[JoinedValue, InnerStepDone, SnapshotTaken, ApplyDue, WaitAnswered, ChangeAgreed, ProbeMeasured,
-                     TrainingResumed, MomentsTaken, MomentsAnswered]
+LearnerEvent = Union[JoinedValue, InnerStepDone, SnapshotTaken, ApplyDue, WaitAnswered, OffersShared, ChangeAgreed,
+                     ProbeMeasured, TrainingResumed, MomentsTaken, MomentsAnswered]
 
 
 # ---------------------------------------------------------------------------- actions
@@ -270,18 +304,30 @@ class WaitForVersion:
 
 @dataclass(frozen=True)
 class ShareChanges:
-    """Multi-rank: agree with the other ranks on what changes now, then answer
-    ``ChangeAgreed`` on every rank for each fragment that changes. A fragment changes
-    when every rank owning a piece of it offers a change with the same value (version,
-    epoch, reset): an owner offering ``Change.NONE`` holds it back, so every rank's
-    blocks change at the same step. The owners' values then reach every rank that holds
-    a copy of their blocks. An offer not agreed on stays with the core and is made again
-    at the next ``ApplyDue``."""
+    """Multi-rank: gather every rank's ``offers`` (a collective: every rank makes one per
+    ``ApplyDue``) and answer ``OffersShared`` with them. A fragment changes when every
+    rank owning a piece of it offers the same change and they hold a value in common
+    (the newest such is taken): an owner offering ``Change.NONE`` holds it back, so every
+    rank's blocks change at the same step. Where their values differ, the core pins one
+    for them to converge on. Offers not agreed on are made again at the next
+    ``ApplyDue``."""
 
-    changes: tuple[Change, ...]
-    """One per fragment: this rank's offer where it owns pieces of it, else ``NONE``."""
-    updates: Mapping[int, Update]
-    """This rank's values (its owned pieces) of the fragments it offers a change for."""
+    offers: tuple[Offer | None, ...]
+    """One per fragment: this rank's offer where it owns pieces of it, else None."""
+
+
+@dataclass(frozen=True)
+class SpreadValue:
+    """Multi-rank, on every rank in the same order: the ranks agreed on ``change`` to value
+    (``version``, ``epoch``) of ``fragment``. Bring the owners' pieces of it to every rank
+    holding copies of their blocks (a collective), then answer ``ChangeAgreed``."""
+
+    fragment: int
+    change: Change
+    version: int
+    epoch: int
+    update: Update | None
+    """This rank's owned pieces of the value; None on a rank owning none of the fragment."""
 
 
 @dataclass(frozen=True)
@@ -362,8 +408,8 @@ class ApplyMoments:
     update: MomentUpdate
 
 
-LearnerAction = Union[SetValue, Rebase, TakeSnapshot, SendFragment, WaitForVersion, ShareChanges, ApplyValue, Log,
-                      TakeMoments, SendMoments, WaitForMoments, ApplyMoments]
+LearnerAction = Union[SetValue, Rebase, TakeSnapshot, SendFragment, WaitForVersion, ShareChanges, SpreadValue,
+                      ApplyValue, Log, TakeMoments, SendMoments, WaitForMoments, ApplyMoments]
 
 
 # ------------------------------------------------------------------------------ state
@@ -432,6 +478,17 @@ class FragmentState:
     owner's), until a value answers it."""
     arrived: Update | None = None
     """The newest value received and not applied yet (it waits for t_send + tau)."""
+    pin: ValueKey | None = None
+    """Multi-rank: the value the fragment's owners converge on after they offered
+    different ones, the same on every rank (from the gathered offers); None while they
+    agree."""
+    pinned: Update | None = None
+    """This rank's received value of ``pin``, kept when newer ones arrive: an owner holds
+    at most two received values not applied, ``arrived`` and this, each of its owned
+    pieces only."""
+    split: tuple[int, float, int] | None = None
+    """Multi-rank: (step, now, step of the next warning) since the owners, due, first held
+    no value in common; None while they agree."""
     merge_gain: float | None = None
     """Relative probe-loss change (before - after) / before of the last value applied."""
     gain_to_report: float | None = None
@@ -509,6 +566,8 @@ class LearnerCore:
         self._waiting: int | None = None
         """The fragment of the latest ``WaitForVersion``, until answered. A wait that fails
         (the driver raises) is asked again at the next ``ApplyDue``."""
+        self._offered: tuple[Offer | None, ...] | None = None
+        """Multi-rank: the offers of the latest ``ShareChanges``, until ``OffersShared``."""
 
     # ------------------------------------------------------------------ public API
     def handle(self, event: LearnerEvent, now: float) -> list[LearnerAction]:
@@ -523,6 +582,8 @@ class LearnerCore:
             self._apply_due(now, actions)
         elif isinstance(event, WaitAnswered):
             self._wait_answered(event, now, actions)
+        elif isinstance(event, OffersShared):
+            self._offers_shared(event, now, actions)
         elif isinstance(event, ChangeAgreed):
             self._change_agreed(event, actions)
         elif isinstance(event, ProbeMeasured):
@@ -593,6 +654,7 @@ class LearnerCore:
             else:
                 rebases.append(Rebase(f.index, old=list(held), new=f.held))
             f.in_flight = None
+            f.pin, f.pinned, f.split = None, None, None
         for ms, saved in zip(self.moments, state.get("moment_versions", ())):  # older saves lack them
             for kind, (version, epoch) in saved.items():
                 if kind in ms:
@@ -628,8 +690,14 @@ class LearnerCore:
 
     def _absorb(self, upd: Update, actions: list[LearnerAction]) -> None:
         f = self._fragment(upd.fragment)
+        pending = f.arrived if f.arrived is not None and f.arrived.reset else None
+        if self.world_size > 1 and pending is not None and not upd.reset and upd.epoch == pending.epoch:
+            # A newer value of the run whose rejoin answer waits to be adopted is adopted
+            # instead: the rack's ranks may have rejoined versions apart.
+            upd = replace(upd, reset=True)
         if upd.reset and self.world_size > 1:
-            f.arrived = upd  # adopted on every rank at once, at ApplyDue
+            if pending is None or upd.epoch != pending.epoch or upd.version > pending.version:
+                self._hold(f, upd)  # adopted on every rank at once, at ApplyDue
         elif upd.reset:
             self._adopt(f, upd, actions)
         elif upd.version <= f.version:
@@ -639,7 +707,16 @@ class LearnerCore:
             # A value for a fragment not sent yet waits for that fragment's own send: the
             # send then carries this learner's progress as a stale contribution that rides
             # along with the next round instead of opening a round of its own.
-            f.arrived = upd
+            self._hold(f, upd)
+
+    @staticmethod
+    def _hold(f: FragmentState, upd: Update) -> None:
+        """``upd`` is the newest value received; the pinned one is kept as well."""
+        f.arrived = upd
+        if f.pin == _key(upd):
+            f.pinned = upd
+        elif upd.reset and f.pinned is not None and not (f.pinned.reset and f.pinned.epoch == upd.epoch):
+            f.pinned = None  # a value from before the rejoin: never adopted
 
     def _snapshot_taken(self, event: SnapshotTaken, actions: list[LearnerAction]) -> None:
         p = event.fragment
@@ -710,24 +787,115 @@ class LearnerCore:
         self._apply_moments_due(now, actions)
 
     def _share_due(self, now: float, actions: list[LearnerAction]) -> None:
-        changes = [Change.NONE] * len(self.fragments)
+        offers: list[Offer | None] = []
         for f in self.fragments:
             if not f.owns:
-                continue
-            if f.arrived is not None and f.arrived.reset:
-                changes[f.index] = Change.ADOPT
-                continue
-            if not self._due_now(f):
-                continue
-            if f.arrived is None and self.config.deterministic:
-                self._wait_for(f, now, actions)
-                return
-            if f.arrived is not None:
-                changes[f.index] = Change.APPLY
+                offers.append(None)
+            elif f.arrived is not None and f.arrived.reset:
+                offers.append(Offer(Change.ADOPT, _values(f)))
+            elif not self._due_now(f) or f.arrived is None:
+                if self._due_now(f) and self.config.deterministic:
+                    self._wait_for(f, now, actions)
+                    return
+                # Values held before they are due count too: the owners pin one early.
+                offers.append(Offer(Change.NONE, _values(f)))
+            else:
+                offers.append(Offer(Change.APPLY, _values(f)))
         # ``arrived`` stays until the ranks agree (ChangeAgreed): another owner of the
-        # fragment's blocks may not be ready at this step.
-        updates = {f.index: f.arrived for f in self.fragments if changes[f.index] and f.arrived is not None}
-        actions.append(ShareChanges(tuple(changes), updates))
+        # fragment's blocks may not be ready at this step, or hold another version.
+        self._offered = tuple(offers)
+        actions.append(ShareChanges(self._offered))
+
+    def _offers_shared(self, event: OffersShared, now: float, actions: list[LearnerAction]) -> None:
+        """Decide, from every rank's offers, what changes now. The same offers reach every
+        rank and nothing else decides, so every rank decides the same."""
+        table, n = event.offers, len(self.fragments)
+        if len(table) != self.world_size or any(len(row) != n for row in table):
+            raise ValueError(f"OffersShared holds {[len(row) for row in table]} offers per rank, expected "
+                             f"{self.world_size} ranks x {n} fragments")
+        if self._offered is None or table[self.rank] != self._offered:
+            raise RuntimeError(f"rank {self.rank}: the gathered offers give this rank {table[self.rank]}, but it "
+                               f"offered {self._offered}; was OffersShared answered to another ShareChanges?")
+        self._offered = None
+        for f in self.fragments:
+            owners = {r: row[f.index] for r, row in enumerate(table) if row[f.index] is not None}
+            agreed = self._agree(f, owners, now, actions)
+            if agreed is None:
+                continue
+            change, key = agreed
+            mine = None
+            if f.owns:
+                mine = next((u for u in (f.arrived, f.pinned) if u is not None and _key(u) == key), None)
+                if mine is None:  # every owner offered ``key``, this one included
+                    raise RuntimeError(f"rank {self.rank}: the ranks agreed on version {key[0]} of fragment "
+                                       f"{f.index}, which this rank does not hold")
+            f.pin, f.pinned, f.split = None, None, None
+            actions.append(SpreadValue(f.index, change, key[0], key[1], mine))
+
+    def _agree(self, f: FragmentState, owners: Mapping[int, Offer], now: float,
+               actions: list[LearnerAction]) -> tuple[Change, ValueKey] | None:
+        """The change of fragment ``f`` all its owners make now, or None: when they are due
+        (or hold rejoin answers), the newest value they all hold. Otherwise pin the value
+        they converge on (``_pin``)."""
+        if not owners:
+            raise ValueError(f"fragment {f.index}: no rank offers for it; every fragment needs an owner")
+        changes = {o.change for o in owners.values()}
+        change = Change.ADOPT if Change.ADOPT in changes else Change.APPLY
+        if changes == {change}:
+            common = set.intersection(*(set(o.values) for o in owners.values()))
+            if common:
+                return change, max(common)
+        # Rejoin answers wait for the other owners' (every rank gets one) and are what
+        # they converge on; otherwise any value an owner holds is. A lone owner (a plain
+        # rack's fragment) agrees with itself once due.
+        holding = {r: o for r, o in owners.items() if o.values and (change == Change.APPLY or o.change == change)}
+        if holding and len(owners) > 1:
+            self._pin(f, holding, owners, change in changes, now, actions)
+        return None
+
+    def _pin(self, f: FragmentState, holding: Mapping[int, Offer], owners: Mapping[int, Offer], due: bool,
+             now: float, actions: list[LearnerAction]) -> None:
+        """Pin the newest value any owner holds (``holding``: those offering values) unless
+        the pin is still on its way: some owner lacks it and none received a newer one
+        without it. Each owner keeps the pinned value once received, so at the next step they
+        likely hold it in common: an owner whose poll came before another's received the
+        pin by its next poll, which comes after the other's (the ranks meet in every
+        step's collectives), unless its link delivers more than a step late. Refreshed
+        every step until due, the pin is the newest value of the step before, so a value
+        is applied at t_send + tau as on one process. ``due``: the owners could have
+        changed now (the split is timed and, if it lasts, logged)."""
+        newest = {r: o.values[0] for r, o in holding.items()}
+        skipped = [r for r, o in holding.items() if f.pin is not None and f.pin not in o.values
+                   and (newest[r][1] != f.pin[1] or newest[r][0] > f.pin[0])]
+        reached = f.pin is not None and all(f.pin in o.values for o in owners.values())
+        if f.pin is None or skipped or reached:
+            if f.pin is not None and skipped:
+                # In-order links deliver every version; one that fell behind gets the newest
+                # value only (the syncer's outbox), so that pin could never reach it.
+                actions.append(Log(logging.DEBUG, f"rank {self.rank}: fragment {f.index}: rank {skipped[0]} received "
+                                                  f"version {newest[skipped[0]][0]} but not the pinned version "
+                                                  f"{f.pin[0]} (its link skipped it); pinning the newest again"))
+            f.pin = max(newest.values())
+            f.pinned = f.arrived if f.arrived is not None and _key(f.arrived) == f.pin else None
+        if not due:
+            return
+        if f.split is None:
+            f.split = (self.step, now, self.step + self.config.schedule.sync_every)
+            return
+        since, t0, warn_at = f.split
+        if self.step < warn_at:
+            return
+        f.split = (since, t0, self.step + 2 * (self.step - since))  # again once it lasted three times as long
+        if self.rank != min(owners) or f.pin is None:
+            return  # one rank of the rack says it
+        held = ", ".join(f"rank {r} v{o.values[0][0]}" if o.values else f"rank {r} none" for r, o in owners.items())
+        lacking = [r for r, o in owners.items() if f.pin not in o.values]
+        actions.append(Log(logging.WARNING, (
+            f"fragment {f.index}: the ranks owning it have not held one merged value in common for "
+            f"{self.step - since} steps ({now - t0:.1f} s): newest per rank {held}; pinned version "
+            f"{f.pin[0]}, not yet received by rank(s) {lacking}. The rack keeps version "
+            f"{f.version} meanwhile and its contributions grow stale. A rank's link to the syncer delivers late "
+            "or not at all: check that rank's connection and the syncer's log")))
 
     def _due_now(self, f: FragmentState) -> bool:
         return f.in_flight is not None and self.step >= f.in_flight.step + self.config.schedule.overlap
@@ -743,7 +911,7 @@ class LearnerCore:
         self._waiting = None
         f = self.fragments[event.fragment]
         if self.world_size > 1:
-            f.arrived = event.update
+            self._hold(f, event.update)
         else:
             self._resolve(f, event.update, actions)
         self._apply_due(now, actions)
@@ -756,8 +924,10 @@ class LearnerCore:
             if f.in_flight is None:
                 raise RuntimeError(f"rank {self.rank}: the ranks agreed to apply fragment {f.index}, which this rank "
                                    "has not sent; were the ranks' steps out of step?")
-            f.arrived = None  # what this rank offered (an owner) is what was agreed
-            self._apply(f, event.update, f.in_flight, actions)
+            upd = event.update
+            if f.arrived is not None and not (f.arrived.epoch == upd.epoch and f.arrived.version > upd.version):
+                f.arrived = None  # applied now (a newer one, when owners agreed on a pinned value, stays)
+            self._apply(f, upd, f.in_flight, actions)
         else:
             raise ValueError(f"ChangeAgreed for fragment {f.index} with {event.change!r}; only nonzero changes are agreed")
 
@@ -794,7 +964,11 @@ class LearnerCore:
         # Whatever was sent is forgotten by the syncer (or will be answered as a plain
         # update, applied after this learner's next send of the fragment).
         f.in_flight = None
-        f.arrived = None
+        newer = f.arrived is not None and f.arrived.epoch == upd.epoch and f.arrived.version > upd.version
+        # A newer value than the one adopted (the ranks agreed on a pinned one) is
+        # applied like any merged value, after the fragment's next send.
+        f.arrived = replace(f.arrived, reset=False) if newer and f.arrived is not None else None
+        f.pin, f.pinned, f.split = None, None, None
         f.epoch = upd.epoch
         if upd.version == f.version and all(map(torch.equal, f.held, upd.tensors)):
             return
@@ -907,6 +1081,16 @@ class LearnerCore:
         if not 0 <= p < len(self.fragments):
             raise ValueError(f"fragment {p} is not in this layout (0..{len(self.fragments) - 1})")
         return self.fragments[p]
+
+
+def _key(upd: Update) -> ValueKey:
+    return upd.version, upd.epoch
+
+
+def _values(f: FragmentState) -> tuple[ValueKey, ...]:
+    """The values an owner holds and could change to, newest first (``Offer.values``)."""
+    out = tuple(_key(u) for u in (f.arrived, f.pinned) if u is not None)
+    return out[:1] if len(out) == 2 and out[0] == out[1] else out
 
 
 def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_size: int) -> None:

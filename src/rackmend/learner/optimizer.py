@@ -48,6 +48,7 @@ from rackmend.core.learner import (
     Log,
     MomentsAnswered,
     MomentsTaken,
+    OffersShared,
     ProbeMeasured,
     Rebase,
     SendFragment,
@@ -55,6 +56,7 @@ from rackmend.core.learner import (
     SetValue,
     ShareChanges,
     SnapshotTaken,
+    SpreadValue,
     TakeMoments,
     TakeSnapshot,
     TrainingResumed,
@@ -414,7 +416,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
             elif isinstance(a, WaitForVersion):
                 self._run(self.core.handle(WaitAnswered(a.fragment, self._wait(a)), self._clock()))
             elif isinstance(a, ShareChanges):
-                self._share(a)
+                # One small all-gather per step: every rank's offers, from which each
+                # rank's core decides the same changes.
+                offers = self._pieces.gather_offers(a.offers)
+                self._run(self.core.handle(OffersShared(offers), self._clock()))
+            elif isinstance(a, SpreadValue):
+                upd = self._pieces.spread(a.fragment, a.update, (a.version, a.epoch, a.change == Change.ADOPT))
+                self._run(self.core.handle(ChangeAgreed(a.fragment, a.change, upd), self._clock()))
             elif isinstance(a, Log):
                 log.log(a.level, "learner %s: %s", self.learner_id, a.message)
             elif isinstance(a, TakeMoments):
@@ -462,15 +470,6 @@ class RackmendOptimizer(torch.optim.Optimizer):
         for p in range(len(self.fragments)):
             upd = self._pieces.spread(p, got.get(p))  # the owners' values on every rank that holds them
             self._run(self.core.handle(JoinedValue(upd), self._clock()))
-
-    def _share(self, action: ShareChanges) -> None:
-        """One small all-reduce per step tells every rank which fragments change now;
-        their owners' values then reach every rank."""
-        for p, (change, version, epoch) in enumerate(self._pieces.agree(action.changes, action.updates)):
-            if change == Change.NONE:
-                continue
-            upd = self._pieces.spread(p, action.updates.get(p), (version, epoch, change == Change.ADOPT))
-            self._run(self.core.handle(ChangeAgreed(p, change, upd), self._clock()))
 
     def _wait(self, action: WaitForVersion) -> Update:
         t0 = self._clock()

@@ -14,20 +14,20 @@ process group of exactly the ranks holding that block.
 
 The rules (which pieces travel, the outer gradient over them, when values apply) are
 the learner core's (``rackmend.core.learner``); this module holds the collectives the
-driver answers the core with: ``agree`` on what changes at a step and ``spread``
-received values to the ranks that hold copies. With one rank everything is whole and
-owned.
+driver answers the core with: ``gather_offers`` (every rank's offers of a step, from
+which the core decides what changes) and ``spread`` received values to the ranks that
+hold copies. With one rank everything is whole and owned.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.learner import Change
+from rackmend.core.learner import MAX_OFFER_VALUES, Change, Offer
 from rackmend.core.messages import Update
 from rackmend.core.pieces import Piece, holders, rank_layout
 from rackmend.transport.base import TransportError
@@ -134,38 +134,38 @@ class RackPieces:
                         self._replicas[f.index][i] = (self._global(held.owner), groups[held.ranks])
 
     # ------------------------------------------------------------------ collectives
-    def agree(self, changes: Sequence[Change], updates: Mapping[int, Update]) -> list[tuple[Change, int, int]]:
-        """Per fragment, what every rank does now, the same on all: (change, version,
-        epoch). ``changes`` and ``updates``: this rank's offers (``ShareChanges``). A
-        fragment changes only when every rank owning a piece of it offers the same change
-        with the same value (epoch and version), so each rank's block of it changes at
-        the same step."""
+    def gather_offers(self, offers: Sequence[Offer | None]) -> tuple[tuple[Offer | None, ...], ...]:
+        """Every rank's offers (``ShareChanges``: this rank's are ``offers``, one per
+        fragment, None where it owns nothing of it), indexed [rank][fragment], the same on
+        every rank. One all-gather of a few integers per fragment. Collective."""
+        if not self.distributed:
+            return (tuple(offers),)
         n = len(self.fragments)
-        report = torch.full((n, 7), _NONE, dtype=torch.int64)
-        for p in range(n):
-            if not self.layout.owned[p]:
+        width = 3 + 2 * MAX_OFFER_VALUES
+        row = torch.zeros((n, width), dtype=torch.int64)  # [owner, change, count, (version, epoch) x count]
+        for p, offer in enumerate(offers):
+            if offer is None:
                 continue
-            upd = updates.get(p)
-            if not changes[p] or upd is None:
-                report[p, 0] = 1  # an owner that is not ready holds the fragment back
-                continue
-            c = int(changes[p])
-            report[p] = torch.tensor([0, c, -c, upd.version, -upd.version, upd.epoch, -upd.epoch])
-        out = self._all_reduce_max(report)
-        result = []
-        for p in range(n):
-            waiting, c, neg_c, v, neg_v, e, neg_e = (int(x) for x in out[p])
-            if waiting == 1 or c <= 0 or (c, v, e) != (-neg_c, -neg_v, -neg_e):
-                result.append((Change.NONE, 0, 0))
-            else:
-                result.append((Change(c), v, e))
-        return result
+            if len(offer.values) > MAX_OFFER_VALUES:
+                raise ValueError(f"fragment {p}: an offer of {len(offer.values)} values; at most "
+                                 f"{MAX_OFFER_VALUES} travel")
+            row[p, :3] = torch.tensor([1, int(offer.change), len(offer.values)])
+            for i, (version, epoch) in enumerate(offer.values):
+                row[p, 3 + 2 * i:5 + 2 * i] = torch.tensor([version, epoch])
+        table = []
+        for got in self._all_gather(row):
+            ranks_offers: list[Offer | None] = []
+            for owner, change, count, *values in got.tolist():
+                ranks_offers.append(Offer(Change(change), tuple((values[2 * i], values[2 * i + 1])
+                                                                for i in range(count))) if owner else None)
+            table.append(tuple(ranks_offers))
+        return tuple(table)
 
     def spread(self, p: int, upd: Update | None, meta: tuple[int, int, bool] | None = None) -> Update:
         """Fragment ``p``'s new value on every rank as ``local`` has it (one tensor per
         tensor of the fragment): owners pass what they received (their pieces, ``upd``),
         the others None; a block held by several ranks is broadcast from its owner among
-        them. ``meta`` = (version, epoch, reset) when every rank knows it (from ``agree``);
+        them. ``meta`` = (version, epoch, reset) when every rank knows it (``SpreadValue``);
         otherwise the owners' are all-reduced. Collective: every rank calls it for ``p``."""
         if not self.distributed:
             assert upd is not None
@@ -203,17 +203,8 @@ class RackPieces:
                 nd = dims[k]
                 rows += [1, *b.offsets, *b.shape] if b is not None else [0] * (1 + 2 * nd)
                 k += 1
-        row = torch.tensor(rows, dtype=torch.int64)
-        out = [torch.empty_like(row) for _ in range(self.world)]
-        dev = self._device
-        if dev is not None:
-            moved = [t.to(dev) for t in out]
-            torch.distributed.all_gather(moved, row.to(dev), group=self.group)
-            out = [t.cpu() for t in moved]
-        else:
-            torch.distributed.all_gather(out, row, group=self.group)
         everyone = []
-        for row in out:
+        for row in self._all_gather(torch.tensor(rows, dtype=torch.int64)):
             vals, at, per = row.tolist(), 0, []
             for f in self.fragments:
                 fb: list[Piece | None] = []
@@ -245,6 +236,13 @@ class RackPieces:
         if len(ranks) == self.world:
             return self.group
         return torch.distributed.new_group([self._global(r) for r in ranks])
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` of every rank of the group, in rank order (same shape on every rank)."""
+        dev = self._device
+        out = [torch.empty_like(t, device=dev) for _ in range(self.world)]
+        torch.distributed.all_gather(out, t.to(dev) if dev is not None else t, group=self.group)
+        return [o.cpu() for o in out] if dev is not None else out
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         dev = self._device
