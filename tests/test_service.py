@@ -164,6 +164,44 @@ def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: 
         assert proc.wait(30) == 130, procs.output(name)[-3000:]  # "interrupted: leaving"
 
 
+def test_syncer_restarted_without_its_checkpoint_goes_on_from_the_newest_global_value(procs: Procs) -> None:
+    """A syncer restarted without --resume asks a learner for initial values. The learner
+    used to answer with the values it had joined with, so every learner then adopted that
+    old model and the run's progress since was silently gone; it answers with the newest
+    merged value it holds."""
+    s1, endpoint = procs.syncer("--min-quorum", "1", "--learners", "l0", "--overlap", "1", "--grace-max", "0.2")
+    port = endpoint.rsplit(":", 1)[1]
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1))
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(endpoint, heartbeat_s=0.2), learner_id="l0")
+    try:
+        joined = [[t.clone() for t in held] for held in opt.held]
+        t = 0
+        end = time.monotonic() + 60
+        while min(opt.versions) < 3:  # a few merges of every fragment
+            assert time.monotonic() < end, f"no merges: versions {opt.versions}"
+            t += 1
+            train(opt, model, "l0", range(t, t + 1), sleep=0.01)
+        s1.send_signal(signal.SIGKILL)
+        s1.wait(10)
+        newest = [[x.clone() for x in held] for held in opt.held]
+        epochs = opt.epochs
+        assert any(not torch.equal(a, b) for ja, na in zip(joined, newest) for a, b in zip(ja, na))
+        # Quorum 2 with l0 alone: the fresh syncer merges nothing, so the value the learner
+        # adopts from it is exactly what seeded it.
+        procs.syncer("--min-quorum", "2", "--learners", "l0,l1", "--overlap", "1", "--bind",
+                     f"tcp://127.0.0.1:{port}", name="syncer2")
+        end = time.monotonic() + 60
+        while opt.epochs == epochs or any(e == epochs[0] for e in opt.epochs):
+            assert time.monotonic() < end, "the learner never adopted the fresh syncer's values"
+            t += 1
+            train(opt, model, "l0", range(t, t + 1), sleep=0.01)
+        for p, (held, want) in enumerate(zip(opt.held, newest)):
+            assert all(torch.equal(a, b) for a, b in zip(held, want)), f"fragment {p}: not the newest global value"
+    finally:
+        opt.close()
+
+
 def test_curve_admits_only_allowed_learner_keys(procs: Procs, tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     for name in ("syncer", "l0", "intruder"):

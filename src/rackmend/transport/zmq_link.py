@@ -138,6 +138,8 @@ class ZmqLink(QueueLink):
         self._wire_pieces: list[tuple[Piece, ...] | None] = []
         """Per fragment, the pieces its messages name; None where this rank owns it whole."""
         self._initial: list[list[torch.Tensor]] = []
+        """Per fragment, this rank's owned values at join: what seeds a fresh syncer until a
+        merged value of the fragment arrives (``_global``), when it is dropped."""
         self._hello: list[Any] = []
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
@@ -367,8 +369,12 @@ class ZmqLink(QueueLink):
                 self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
                 self._init_requested = True
-                # The seeder's ranks each send what they own (a plain rank: every fragment whole).
-                for p, values in enumerate(self._initial):
+                # The seeder's ranks each send what they own (a plain rank: every fragment
+                # whole): the newest merged value received, so a syncer restarted without
+                # its checkpoint goes on from the global model the learners hold, not from
+                # the one this learner joined with; the join-time value where none came yet.
+                for p, initial in enumerate(self._initial):
+                    values = self._global[p][2] if p in self._global else initial
                     if values:
                         self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values,
                                                             self._wire_pieces[p]))
@@ -421,6 +427,7 @@ class ZmqLink(QueueLink):
             if not reset and held is not None and version < held[1]:
                 return  # a fetch answer overtaken by newer values: keep the newer one
             self._global[p] = (epoch, version, tensors)
+            self._initial[p] = []  # the newest value seeds a fresh syncer from now on
             self._box.put(Update(p, version, tensors, reset=reset, epoch=epoch))
             return
         base = h.get("base_version")
@@ -436,6 +443,7 @@ class ZmqLink(QueueLink):
         # held + decoded, in this order: the syncer's theta = old + decoded, bit for bit.
         full = tuple(old + d for old, d in zip(held[2], decoded))
         self._global[p] = (epoch, version, full)
+        self._initial[p] = []
         self._box.put(Update(p, version, full, epoch=epoch, delta=encoded))
 
     def _parse_value(self, msg: wire.Message, p: int) -> tuple[torch.Tensor, ...]:
