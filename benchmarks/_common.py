@@ -56,17 +56,17 @@ def finish(name: str, out: Path | None, payload: dict[str, Any], result: dict[st
 
 
 @contextlib.contextmanager
-def running_syncer(workdir: Path, threads: int | None = None) -> Iterator[str]:
-    """A ``rackmend syncer`` with default settings on 127.0.0.1 (port chosen by the OS),
-    its log and output in ``workdir`` (created); yields its endpoint once it listens and
-    stops it (SIGTERM, then SIGKILL after 30 s) on the way out. ``threads``: its torch
-    threads (``OMP_NUM_THREADS``); None leaves torch's default, every core."""
+def running_syncer(workdir: Path, threads: int | None = None, flags: tuple[str, ...] = ()) -> Iterator[str]:
+    """A ``rackmend syncer`` with default settings but ``flags`` on 127.0.0.1 (port chosen
+    by the OS), its log and output in ``workdir`` (created); yields its endpoint once it
+    listens and stops it (SIGTERM, then SIGKILL after 30 s) on the way out. ``threads``:
+    its torch threads (``OMP_NUM_THREADS``); None leaves torch's default, every core."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     ready = workdir / "syncer.endpoint"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready),
-         "--log", str(workdir / "events.jsonl")],
+         "--log", str(workdir / "events.jsonl"), *flags],
         stdout=open(workdir / "syncer.out", "wb"), stderr=subprocess.STDOUT, env=env)
     try:
         end = time.monotonic() + 60

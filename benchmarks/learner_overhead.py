@@ -178,7 +178,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rackmend-overhead-") as tmp:
         workdir = Path(tmp)
-        with running_syncer(workdir, a.syncer_threads or None) as endpoint:
+        # No fail-slow detection: the rackmend arm idles while the plain arm runs its block,
+        # which the detector would rightly take for a slow learner.
+        with running_syncer(workdir, a.syncer_threads or None, ("--no-failslow",)) as endpoint:
             if a.rack == "single":
                 out = _rank_main(a, endpoint)
             else:
