@@ -233,7 +233,9 @@ class Simulation:
         lr.life += 1
         lr.alive = True
         lr.core = LearnerCore(self.config.run, self.specs, learner_id=lr.lid)
-        lr.local = [[torch.zeros_like(t)] for t in self.start]
+        # A fresh process's own init, overwritten by the join answer (SetValue); NaN so
+        # that a value the join failed to set shows as a rejected contribution.
+        lr.local = [[torch.full_like(t, math.nan)] for t in self.start]
         lr.joining, lr.inbox, lr.waiting = {}, [], None
         lr.blocked_since = now
         lr.up_free = lr.down_free = now
@@ -435,7 +437,7 @@ class Simulation:
                 idle += self.now - lr.blocked_since
             if not lr.alive and lr.died_at is not None:
                 down += self.now - lr.died_at
-            values = [x for (x,) in lr.local] if lr.local else self.start
+            values = self.start if lr.joining is not None else [x for (x,) in lr.local]
             out.append(LearnerReport(
                 learner=lr.lid, steps=lr.steps, idle_s=idle, down_s=down, sent=lr.sent, merged=lr.merged,
                 merged_stale=lr.stale, rejected=lr.rejected, loss=self.loss(values),
