@@ -123,7 +123,7 @@ class SimReport:
         return asdict(self)
 
 
-# Event kinds, in the order ties at one instant are broken by insertion only.
+# Event kinds. Events at one instant run in the order they were pushed, whatever their kind.
 _STEP, _ARRIVE, _DELIVER, _JOIN, _SILENT, _TICK, _KILL, _REJOIN, _WAIT_TIMEOUT = range(9)
 
 
@@ -177,6 +177,7 @@ class Simulation:
         self.rngs = [random.Random(config.seed * 1_000_003 + i) for i in range(n)]
         self.syncer = SyncerCore(run, self.specs, [[t.clone()] for t in self.start])
         self.now = 0.0
+        self._ran = False
         self._heap: list[tuple[float, int, int, tuple]] = []
         self._order = itertools.count()
         self._ticks: set[float] = set()
@@ -191,6 +192,9 @@ class Simulation:
 
     # ---------------------------------------------------------------- public
     def run(self) -> SimReport:
+        if self._ran:
+            raise SimulationError("this Simulation has run already; make a new one to run again")
+        self._ran = True
         cfg = self.config
         for lr in self.learners:
             self._start(lr, 0.0)
@@ -367,8 +371,16 @@ class Simulation:
 
     def _on_arrive(self, c: Contribution) -> None:
         key = (c.learner_id, c.fragment)
-        self._bases[key] = min(self._bases.get(key, c.base_version), c.base_version)
+        prior = self._bases.get(key)
+        self._bases[key] = c.base_version if prior is None else min(prior, c.base_version)
+        rejected = self.syncer.rejected
         self._drive(ContributionArrived(c))
+        if self.syncer.rejected > rejected:
+            # Refused: its base is no merged work's (a refusal never merges in the same call).
+            if prior is None:
+                self._bases.pop(key, None)
+            else:
+                self._bases[key] = prior
 
     def _syncer_actions(self, actions: Sequence[Action]) -> None:
         by_id = {lr.lid: lr for lr in self.learners}
