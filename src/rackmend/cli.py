@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     from rackmend.netem import cli as link_cli
     from rackmend.service import cli as service_cli
     from rackmend.service import export, status
+    from rackmend.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="rackmend", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
          export.add_arguments, export.main),
         ("link", "emulate a WAN link: a TCP proxy with bandwidth, latency, jitter, outages", link_cli.__doc__,
          link_cli.add_arguments, link_cli.run),
+        ("simulate", "simulate a run in virtual time (real cores, toy model): slow or dead racks, links",
+         sim_cli.__doc__, sim_cli.add_arguments, sim_cli.main),
     ]
     for name, help_, description, add_arguments, run in commands:
         p = sub.add_parser(name, help=help_, description=description,

@@ -1,0 +1,163 @@
+"""What a simulated run is made of: the racks, their links, the faults, the toy model.
+
+Plain kw-only dataclasses, validated on construction with messages that say what to
+change. The run's own rules (H, P, tau, quorum, grace, apply rule, codecs) are a
+``RackmendConfig``, the same object the real learners and syncer take; nothing here
+changes how the cores behave, only what happens around them. The engine that runs
+them is ``rackmend.sim.engine``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rackmend.config import ConfigError, RackmendConfig
+
+__all__ = ["RackSpec", "Kill", "Slowdown", "SimConfig"]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _finite_at_least(name: str, value: float, low: float, *, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > low if strict else value >= low)
+    _check(ok, f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RackSpec:
+    """One simulated learner (a rack): how fast it steps and how it is linked to the syncer."""
+
+    step_time: float = 1.0
+    """Virtual seconds per inner step."""
+    jitter: float = 0.0
+    """Relative spread of each step's time: a step takes ``step_time * (1 + jitter * u)``, u
+    uniform in [-1, 1] from the run's seeded RNG. 0: every step takes exactly ``step_time``."""
+    uplink_latency: float = 0.0
+    """Seconds from a send to the syncer's receipt (learner -> syncer)."""
+    downlink_latency: float = 0.0
+    """Seconds from the syncer's send to the learner's receipt (syncer -> learner)."""
+    uplink_bandwidth: float | None = None
+    """Bytes per second of the uplink; sends queue behind each other (FIFO). None: unlimited."""
+    downlink_bandwidth: float | None = None
+    """Bytes per second of the downlink, FIFO like the uplink. None: unlimited."""
+    tokens: float = 1.0
+    """Tokens per inner step the learner reports (its merge weight under token weighting)."""
+
+    def __post_init__(self) -> None:
+        _finite_at_least("step_time", self.step_time, 0.0, strict=True)
+        _check(isinstance(self.jitter, (int, float)) and 0.0 <= self.jitter < 1.0,
+               f"jitter must be in [0, 1) (a share of step_time), got {self.jitter!r}")
+        _finite_at_least("uplink_latency", self.uplink_latency, 0.0)
+        _finite_at_least("downlink_latency", self.downlink_latency, 0.0)
+        for name in ("uplink_bandwidth", "downlink_bandwidth"):
+            bw = getattr(self, name)
+            if bw is not None:
+                _finite_at_least(name, bw, 0.0, strict=True)
+        _finite_at_least("tokens", self.tokens, 0.0, strict=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kill:
+    """Learner ``learner`` dies at ``at`` (no more steps, sends or receipts) and, when
+    ``rejoin_at`` is set, comes back then as a fresh process that joins again."""
+
+    learner: int
+    """Index of the learner in ``SimConfig.racks``."""
+    at: float
+    """Virtual time of death (seconds)."""
+    rejoin_at: float | None = None
+    """Virtual time it starts again and joins; None: it stays dead."""
+
+    def __post_init__(self) -> None:
+        _finite_at_least("Kill.at", self.at, 0.0)
+        _check(self.rejoin_at is None or (math.isfinite(self.rejoin_at) and self.rejoin_at > self.at),
+               f"Kill.rejoin_at must be after Kill.at={self.at:g}, got {self.rejoin_at!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slowdown:
+    """Learner ``learner``'s steps take ``factor`` times as long from ``start`` to ``end``."""
+
+    learner: int
+    """Index of the learner in ``SimConfig.racks``."""
+    factor: float
+    """Multiplier of the step time while it lasts (4.0: a 4x slower rack)."""
+    start: float = 0.0
+    """Virtual time it begins (a step starting at or after it is slow)."""
+    end: float = math.inf
+    """Virtual time it ends (a step starting at or after it is at normal speed again)."""
+
+    def __post_init__(self) -> None:
+        _finite_at_least("Slowdown.factor", self.factor, 0.0, strict=True)
+        _finite_at_least("Slowdown.start", self.start, 0.0)
+        _check(self.end > self.start, f"Slowdown.end ({self.end:g}) must be after Slowdown.start ({self.start:g})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """A whole simulated run: the rules, the racks, the faults, the model, how long."""
+
+    run: RackmendConfig = field(default_factory=RackmendConfig)
+    """The run's rules, shared by the syncer core and every learner core (H, P, tau,
+    quorum, grace, outer optimizer, apply rule, codecs, deterministic mode)."""
+    racks: tuple[RackSpec, ...] = (RackSpec(), RackSpec())
+    """One entry per learner, learner i is named ``L{i}``."""
+    duration: float = 100.0
+    """Virtual seconds simulated; events after it are not run."""
+    seed: int = 0
+    """Seeds the model's targets and the step-time jitter: one seed, one run."""
+    kills: tuple[Kill, ...] = ()
+    """Learners that die (and maybe rejoin)."""
+    slowdowns: tuple[Slowdown, ...] = ()
+    """Learners that slow down for a while."""
+    silence_timeout: float | None = 10.0
+    """Seconds after a learner's death until the syncer declares it gone (``LearnerLeft``
+    with reason ``silent``, as ``ServiceConfig.heartbeat_timeout`` does); None: never,
+    the dead learner stays connected and expected."""
+    fragment_size: int = 8
+    """Elements of the one tensor each fragment holds."""
+    lr: float = 0.1
+    """Inner learning rate of the gradient step on each learner's quadratic."""
+    curvature: tuple[float, float] = (0.5, 2.0)
+    """Range the quadratic's per-element curvature is drawn from (shared by all learners)."""
+    target_spread: float = 1.0
+    """Standard deviation of each learner's optimum around the common one (0: one
+    optimum for all: no data heterogeneity)."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.run, RackmendConfig), f"run must be a RackmendConfig, got {type(self.run).__name__}")
+        _check(len(self.racks) >= 1, "racks must list at least one learner (RackSpec)")
+        _check(all(isinstance(r, RackSpec) for r in self.racks), "racks must hold RackSpec entries")
+        _finite_at_least("duration", self.duration, 0.0, strict=True)
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), f"seed must be an int, got {self.seed!r}")
+        n = len(self.racks)
+        for what, faults in (("kills", self.kills), ("slowdowns", self.slowdowns)):
+            for f in faults:
+                _check(isinstance(f.learner, int) and 0 <= f.learner < n,
+                       f"{what}: learner {f.learner!r} is not one of the {n} racks (0..{n - 1})")
+        killed = [k.learner for k in self.kills]
+        _check(len(killed) == len(set(killed)), f"kills: learner {killed} listed twice; one Kill per learner")
+        if self.silence_timeout is not None:
+            _finite_at_least("silence_timeout", self.silence_timeout, 0.0, strict=True)
+        _check(isinstance(self.fragment_size, int) and self.fragment_size >= 1,
+               f"fragment_size must be an int >= 1, got {self.fragment_size!r}")
+        lo, hi = self.curvature
+        _check(0 < lo <= hi and math.isfinite(hi), f"curvature must be a range 0 < low <= high, got {self.curvature}")
+        _check(isinstance(self.lr, (int, float)) and 0 < self.lr * hi < 2,
+               f"lr={self.lr!r} times the largest curvature {hi:g} must be in (0, 2), else the gradient step "
+               "diverges; lower lr or curvature")
+        _finite_at_least("target_spread", self.target_spread, 0.0)
+        _check(not self.run.schedule.desloc,
+               "the simulator trains by plain gradient steps, which have no Adam moments for DES-LOC to average: "
+               "set run.schedule.desloc=False")
+        unknown = [lid for lid in self.run.syncer.learners if lid not in self.learner_ids]
+        _check(not unknown, f"run.syncer.learners names {unknown}, which are not simulated learners "
+                            f"({', '.join(self.learner_ids)}): the syncer would wait for them forever")
+
+    @property
+    def learner_ids(self) -> tuple[str, ...]:
+        return tuple(f"L{i}" for i in range(len(self.racks)))
