@@ -101,7 +101,9 @@ def test_metrics_move_during_a_live_run_and_count_refusals_by_reason(procs: Proc
     raw, layout, epoch = join_raw(endpoint, "mallory", H, P, tau)
     try:
         zeros = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in layout[0].tensors)
-        raw.send(wire.contribution_frames(Contribution("mallory", 0, 0, H, H, 1e200, 0.01, zeros, session=1, seq=1,
+        # Its step time (123 s, within bounds) must not reach the learner's gauge: the
+        # contribution is refused, so nothing it says describes the learner.
+        raw.send(wire.contribution_frames(Contribution("mallory", 0, 0, H, H, 1e200, 123.0, zeros, session=1, seq=1,
                                                        base_epoch=epoch), 0))
         reply = raw.recv_type("error", 20)
         assert reply is not None and reply["code"] == "rejected" and "bound" in reply["reason"], reply
@@ -116,6 +118,7 @@ def test_metrics_move_during_a_live_run_and_count_refusals_by_reason(procs: Proc
     assert metric(third, "rackmend_contributions_rejected_total", reason="bounds") == 1
     assert metric(third, "rackmend_messages_rejected_total", reason="bad_message") == 1
     assert metric(third, "rackmend_learner_connected", learner="mallory") == 1
+    assert metric(third, "rackmend_learner_step_seconds", learner="mallory") != 123.0
 
 
 def test_metrics_port_in_use_fails_at_start_and_two_syncers_keep_their_own_counts() -> None:

@@ -571,10 +571,14 @@ class SyncerService:
         stats = self._stats[lid]
         p = contribution.fragment
         stats.contributions += 1
-        stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
-        stats.based[p] = (contribution.base_version, self.core.versions[p] - contribution.base_version)
-        self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
+        lag = self.core.versions[p] - contribution.base_version  # before the merge it may close
+        refused = stats.rejected
         self._drive(ContributionArrived(contribution))
+        if stats.rejected > refused:
+            return  # a refused contribution's step time and base say nothing true about the learner
+        stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
+        stats.based[p] = (contribution.base_version, lag)
+        self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
 
     def _moments(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
         """DES-LOC: a learner's moments, checked on the wire and then by the core."""
