@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,34 @@ def test_syncer_core_weighted_mean_and_refusals() -> None:
     off, frags_off = _core(desloc=False)
     assert [r.record["code"] for r in off.handle(MomentsArrived(_moments("l0", frags_off, "exp_avg", 1.0)), 1.0)] \
         == ["moments_off"]
+
+
+def test_a_huge_finite_moment_is_clipped_to_the_guard_bound() -> None:
+    """One learner's finite but huge first moment, averaged into every learner's Adam,
+    would move all their parameters: it is clipped to norm_guard x the lower median of
+    the round's moment norms (logged as ``guard``); ordinary rounds are never clipped."""
+    core, frags = _core()
+
+    def round_(version: int, values: dict[str, float]) -> list:
+        out: list = []
+        for i, (lid, value) in enumerate(values.items()):
+            c = replace(_moments(lid, frags, "exp_avg", value, step=3 * version + 3), base_version=version)
+            out += core.handle(MomentsArrived(c), float(version) + 0.1 * i)
+        return out
+
+    def guards(out: list) -> list[dict]:
+        return [a.record for a in out if getattr(a, "record", {}).get("event") == "guard"]
+
+    for version, l1 in enumerate((1.5, 20.0)):  # honest learners differ, within the bound
+        assert not guards(round_(version, {"l0": 1.0, "l1": l1}))
+    out = round_(2, {"l0": 1.0, "l1": 1e6})
+    (guard,) = guards(out)
+    assert (guard["learner"], guard["kind"], guard["action"]) == ("l1", "exp_avg", "clipped")
+    assert guard["norm"] > guard["bound"] == pytest.approx(30.0 * guard["bound"] / 30.0)
+    (send,) = [a for a in out if isinstance(a, SendMomentUpdate)]
+    # Equal weights: (1 + 30) / 2 per element, the clipped moment at the bound 30 x l0's norm.
+    assert torch.allclose(send.update.tensors[0], torch.full_like(send.update.tensors[0], 15.5)), \
+        "the huge moment reached the mean unclipped"
 
 
 def _learner(inner_fn, config: RackmendConfig) -> None:

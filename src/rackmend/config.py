@@ -331,7 +331,9 @@ class SyncerConfig:
     Honest outliers exist: in ``make demo`` (2026-12-04) a learner restarted after a
     SIGKILL, with a fresh AdamW state, sent 10.7-12.6x the median for its first sends,
     so the default leaves a margin of about 2.5 over that. If ``guard`` events name
-    honest learners, their work is being clipped: raise it (0 disables the guard)."""
+    honest learners, their work is being clipped: raise it (0 disables the guard).
+    DES-LOC moments are clipped to it (squared for ``exp_avg_sq``) x the lower median of
+    their round's norms."""
 
     failslow: bool = True
     """Fail-slow detection (``rackmend.core.failslow``): from the step times learners

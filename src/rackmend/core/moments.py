@@ -19,7 +19,8 @@ window and the checks of what arrives; nothing here reads a clock or touches a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -126,7 +127,7 @@ class MomentRounds:
         mean is not finite, which finite inputs cannot give but is checked all the same."""
         rnd = self.rounds[key]
         ids = sorted(rnd.pending)
-        contribs = [rnd.pending[i] for i in ids]
+        contribs, clipped = self._guard([rnd.pending[i] for i in ids])
         raw = merge_weights(self.config.syncer.weighting, [c.c_tokens for c in contribs],
                             [c.c_steps for c in contribs])
         mean = merge_deltas([c.tensors for c in contribs], raw, "mean")
@@ -150,8 +151,38 @@ class MomentRounds:
             "steps": dict(zip(ids, (c.step for c in contribs))),
             "wait_s": now - first,
             "bytes_in": sum(self._nbytes(c.tensors, c.encoded) for c in contribs),
+            "clipped": clipped,
         }
         return upd, fields
+
+    def _guard(self, contribs: list[MomentContribution]) -> tuple[list[MomentContribution], dict[str, dict[str, float]]]:
+        """The round's contributions, each clipped to ``norm_guard`` (its square for
+        ``exp_avg_sq``) x the lower median of the round's norms when above it; and per clipped learner its norm and the bound.
+        Moments are values: honest learners at about the same step hold moments of about
+        the same size, so the round itself is the scale (a history would not do: Adam's
+        uncorrected second moment grows about linearly over the first 1/(1 - beta2) steps).
+        The lower median, because with two learners one liar and one honest learner are
+        otherwise a tie; a lone contribution has nothing to be compared with. Without
+        this, one learner's huge finite first moment, averaged into every learner's Adam,
+        moves all their parameters."""
+        factor = self.config.syncer.norm_guard
+        if factor <= 0 or len(contribs) < 2:
+            return contribs, {}
+        if contribs[0].kind == "exp_avg_sq":
+            factor *= factor  # a mean of squared gradients: learners' differ as the squares of theirs
+        norms = [math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+                               for t in c.tensors if t.numel())) for c in contribs]
+        bound = factor * sorted(norms)[(len(norms) - 1) // 2]
+        if bound <= 0:
+            return contribs, {}
+        clipped: dict[str, dict[str, float]] = {}
+        out = []
+        for c, norm in zip(contribs, norms):
+            if norm > bound:
+                clipped[c.learner_id] = {"norm": norm, "bound": bound}
+                c = replace(c, tensors=tuple((t.to(torch.float64) * (bound / norm)).to(t.dtype) for t in c.tensors))
+            out.append(c)
+        return out, clipped
 
     def _nbytes(self, tensors: Sequence[torch.Tensor], encoded: Sequence[Any] | None) -> int:
         if encoded is not None:

@@ -975,6 +975,13 @@ class SyncerCore:
                         "and the learners keep their own")))
             return
         upd, fields = merged
+        factor = "norm_guard" + ("^2" if key[1] == "exp_avg_sq" else "") + f"={self.config.syncer.norm_guard:g}"
+        for lid, clip in fields["clipped"].items():
+            actions.append(self._log(
+                now, "guard", learner=lid, fragment=key[0], kind=key[1], version=upd.version, action="clipped", **clip,
+                reason=(f"learner {lid}'s {key[1]} moments for fragment {key[0]} have norm {clip['norm']:.4g}, more "
+                        f"than {factor} x the lower median of this round's: clipped to {clip['bound']:.4g}. If "
+                        "this names honest learners, raise SyncerConfig.norm_guard")))
         to = self.connected_learners()
         actions.append(SendMomentUpdate(upd, to))
         actions.append(self._log(now, "moments", **fields, bytes_out=self.moments.update_nbytes(upd) * len(to)))
