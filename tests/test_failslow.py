@@ -6,6 +6,7 @@ that turns slow."""
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -352,5 +353,8 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
         assert metric(final, "rackmend_failslow_events_total", event=kind) == len(named(f"failslow_{kind}")), kind
     assert metric(final, "rackmend_learner_failslow_state") == 0  # both left: their cases are closed
     out = procs.output("l1")
-    assert "the syncer reports rank 0 fail-slow: 2." in out or "the syncer reports rank 0 fail-slow: 3." in out, out
+    # The advised ratio is the injected x3 as measured on a shared machine: above 2, and
+    # not necessarily below 4 when other processes slowed the slow window further.
+    ratios = [float(r) for r in re.findall(r"the syncer reports rank 0 fail-slow: ([0-9.]+)x", out)]
+    assert any(r > 2 for r in ratios), out[-3000:]
     assert "back at normal speed" in out
