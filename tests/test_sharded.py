@@ -93,6 +93,27 @@ def _held_equal_syncer(tmp: Path, lid: str, ranks: int, checkpoint: dict[str, to
         assert i > 0, f"the checkpoint has no history of fragment {p} version {v}"
 
 
+def _sharded_beside_plain(procs: Procs, tmp_path: Path, ranks: int, mode: str, timeout: float) -> list[str]:
+    """A sharded rack l0 (``ranks`` ranks of ``mode``) beside a plain rack l1, deterministic,
+    through a checkpointing syncer: both finish, the syncer stops cleanly, every fragment
+    merged at least 3 rounds, and every rank of l0 holds exactly its blocks of the
+    syncer's final values. Returns the learner ids."""
+    ids = ["l0", "l1"]
+    ck = tmp_path / "ck"
+    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
+                                    "--overlap", str(TAU), "--checkpoint-dir", str(ck))
+    rack = _rack(procs, endpoint, "l0", ranks, mode, ids, tmp_path, "--deterministic",
+                 "--held-out", str(tmp_path / "l0.held"))
+    plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
+    finish(rack, procs, "l0", timeout=timeout)
+    finish(plain, procs, "l1", timeout=timeout)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    assert len(_merges(tmp_path, ids)) >= P * 3
+    _held_equal_syncer(tmp_path, "l0", ranks, load_file(str(ck / "syncer.safetensors")))
+    return ids
+
+
 @pytest.mark.parametrize("mode,ranks", [("tp", 2), ("tp_fsdp", 4)])
 def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path: Path, mode: str,
                                                          ranks: int) -> None:
@@ -104,20 +125,7 @@ def test_tensor_parallel_rack_trains_beside_a_plain_rack(procs: Procs, tmp_path:
     values (replicated blocks reach the ranks that do not own them by broadcast), and
     the result stays within rounding of the single-process reference (rowwise parallel
     sums its partial products in another order)."""
-    ids = ["l0", "l1"]
-    ck = tmp_path / "ck"
-    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
-                                    "--overlap", str(TAU), "--checkpoint-dir", str(ck))
-    tp = _rack(procs, endpoint, "l0", ranks, mode, ids, tmp_path, "--deterministic",
-               "--held-out", str(tmp_path / "l0.held"))
-    plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
-    finish(tp, procs, "l0", timeout=240)
-    finish(plain, procs, "l1", timeout=240)
-    syncer.send_signal(signal.SIGTERM)
-    assert syncer.wait(30) == 0
-    assert len(_merges(tmp_path, ids)) >= P * 3
-    checkpoint = load_file(str(ck / "syncer.safetensors"))
-    _held_equal_syncer(tmp_path, "l0", ranks, checkpoint)
+    ids = _sharded_beside_plain(procs, tmp_path, ranks, mode, timeout=240)
     ref = _reference(ids)
     for lid in ids:
         got = load_file(str(tmp_path / f"{lid}.safetensors"))
@@ -179,19 +187,7 @@ def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_pa
     sends and receives it, its replica gets the value by broadcast in their pair's group.
     Both racks equal the single-process reference bit for bit, and every rank holds
     exactly its blocks of the syncer's values."""
-    ids = ["l0", "l1"]
-    ck = tmp_path / "ck"
-    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
-                                    "--overlap", str(TAU), "--checkpoint-dir", str(ck))
-    rack = _rack(procs, endpoint, "l0", 4, "hsdp", ids, tmp_path, "--deterministic",
-                 "--held-out", str(tmp_path / "l0.held"))
-    plain = _plain(procs, endpoint, "l1", ids, tmp_path, "--deterministic")
-    finish(rack, procs, "l0", timeout=300)
-    finish(plain, procs, "l1", timeout=300)
-    syncer.send_signal(signal.SIGTERM)
-    assert syncer.wait(30) == 0
-    assert len(_merges(tmp_path, ids)) >= P * 3
-    _held_equal_syncer(tmp_path, "l0", 4, load_file(str(ck / "syncer.safetensors")))
+    ids = _sharded_beside_plain(procs, tmp_path, 4, "hsdp", timeout=300)
     assert_files_equal_reference(tmp_path, ids, _reference(ids))
 
 

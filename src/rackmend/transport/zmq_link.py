@@ -426,8 +426,7 @@ class ZmqLink(QueueLink):
             self._fetching.pop(p, None)
             if not reset and held is not None and version < held[1]:
                 return  # a fetch answer overtaken by newer values: keep the newer one
-            self._global[p] = (epoch, version, tensors)
-            self._initial[p] = []  # the newest value seeds a fresh syncer from now on
+            self._hold_global(p, epoch, version, tensors)
             self._box.put(Update(p, version, tensors, reset=reset, epoch=epoch))
             return
         base = h.get("base_version")
@@ -442,9 +441,14 @@ class ZmqLink(QueueLink):
         decoded, encoded = wire.parse_encoded(msg, self._fragments[p])
         # held + decoded, in this order: the syncer's theta = old + decoded, bit for bit.
         full = tuple(old + d for old, d in zip(held[2], decoded))
-        self._global[p] = (epoch, version, full)
-        self._initial[p] = []
+        self._hold_global(p, epoch, version, full)
         self._box.put(Update(p, version, full, epoch=epoch, delta=encoded))
+
+    def _hold_global(self, p: int, epoch: int, version: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The newest full value of fragment ``p``: what deltas build on and, from now on,
+        what seeds a fresh syncer (the join-time copy is dropped)."""
+        self._global[p] = (epoch, version, tensors)
+        self._initial[p] = []
 
     def _parse_value(self, msg: wire.Message, p: int) -> tuple[torch.Tensor, ...]:
         """A full value of fragment ``p``: this rank's pieces of it, exactly those."""
