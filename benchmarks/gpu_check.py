@@ -3,8 +3,9 @@
 1. every CUDA test (``pytest -m cuda``: codecs on the device, learners on the device
    against the reference, multi-GPU racks where there are GPUs for them);
 2. the codecs on the device (``benchmarks/codecs.py --quick --device cuda``);
-3. the learner-overhead benchmark on the device, one process and, with two or more
-   GPUs, an FSDP2 rack over two of them (``benchmarks/learner_overhead.py``).
+3. the learner-overhead benchmark on the device, one process (every step synchronised,
+   at torch's default threads and at 4; and per block, the host running ahead) and,
+   with two or more GPUs, an FSDP2 rack over two of them (``benchmarks/learner_overhead.py``).
 
 Each part prints its own table and ``RESULT`` line; this script adds one ``RESULT`` line
 per part with its exit status and wall time, and exits non-zero when any part failed.
@@ -41,6 +42,10 @@ def main() -> int:
         ("learner_overhead_single_threads4", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
                                               "--threads", "4", "--out",
                                               str(HERE / "results" / "learner_overhead-single-cuda-threads4.json")]),
+        # No synchronisation inside a block: what a loop that lets the host run ahead sees.
+        ("learner_overhead_single_block", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
+                                           "--threads", "4", "--timing", "block", "--repeats", "12", "--block", "48",
+                                           "--out", str(HERE / "results" / "learner_overhead-single-cuda-block.json")]),
     ]
     if gpus >= 2:
         parts.append(("learner_overhead_fsdp", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",

@@ -10,7 +10,9 @@ alone, ``rackmend`` with the same AdamW inside a ``RackmendOptimizer`` talking t
 other learner-facing process, with 2 CPU threads: ``--syncer-threads``). Blocks of
 ``--block`` steps alternate between the two (the order flips every repeat), so both
 see the same machine load. Each step is timed
-to the end of the optimizer step (CUDA synchronised), sends and applies included.
+to the end of the optimizer step (CUDA synchronised), sends and applies included; with
+``--timing block`` each block is timed as a whole, synchronised only at its ends, as a
+loop runs that lets the host run ahead of the device.
 
 Reported: median step time per arm with its spread (10th-90th percentile), the ratio
 of the medians, and the median and range of the per-repeat ratios (block mean vs the
@@ -98,9 +100,13 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
 
     rack_opt.after_inner_step = timed_bookkeeping  # type: ignore[method-assign]
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    def sync() -> None:
         if a.device == "cuda":
             torch.cuda.synchronize(device)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+        if a.timing == "step":
+            sync()
         t0 = time.perf_counter()
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -109,9 +115,21 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
             rack_opt.step(tokens=x.numel())
         else:
             opt.step()
-        if a.device == "cuda":
-            torch.cuda.synchronize(device)
+        if a.timing == "step":
+            sync()
         return time.perf_counter() - t0
+
+    def block(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        """Step times of one block: each step's (timing ``step``), or the block's mean
+        step time, synchronised only at its ends (``block``: the host may run ahead)."""
+        if a.timing == "step":
+            return [step(model, opt, x, y) for x, y in batches]
+        sync()
+        t0 = time.perf_counter()
+        for x, y in batches:
+            step(model, opt, x, y)
+        sync()
+        return [(time.perf_counter() - t0) / len(batches)]
 
     arms: dict[str, list[float]] = {"plain": [], "rackmend": []}
     ratios: list[float] = []
@@ -127,7 +145,7 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
         order = [("plain", plain, plain_opt), ("rackmend", tracked, rack_opt)]
         means = {}
         for name, model, opt in (order if r % 2 == 0 else order[::-1]):
-            times = [step(model, opt, x, y) for x, y in batches]
+            times = block(model, opt)
             arms[name].extend(times)
             means[name] = statistics.fmean(times)
         ratios.append(means["rackmend"] / means["plain"])
@@ -161,6 +179,10 @@ def main() -> None:
                    help="the syncer's torch threads (default 2: a real syncer has its own machine; here it shares "
                         "the learner's, and at every core it slowed rackmend's host work 2x on a 16-core GPU host); "
                         "0: torch's default, every core")
+    p.add_argument("--timing", choices=("step", "block"), default="step",
+                   help="step: every step timed, the device synchronised around it (rackmend's host time all "
+                        "shows); block: one sample per block, synchronised only at its ends, so the host runs "
+                        "ahead of the device as in a loop that does not read the loss every step")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N functions with the most own time in rackmend's per-step bookkeeping")
     p.add_argument("--endpoint", default=None, help=Path(__file__).name + " sets this when it relaunches itself")
@@ -196,10 +218,10 @@ def main() -> None:
     arms, ratios = out["arms"], out["ratios"]
     med = {k: statistics.median(v) for k, v in arms.items()}
     print(f"\nlearner step time, {a.rack} rack on {a.device} ({out['params_per_rank']:,} parameters per rank):")
-    print(f"{'arm':<10} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'steps':>6}")
+    print(f"{'arm':<10} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'samples':>8}")
     for k, v in arms.items():
         print(f"{k:<10} {med[k] * 1e3:>10.2f} {_percentile(v, 0.1) * 1e3:>8.2f} {_percentile(v, 0.9) * 1e3:>8.2f} "
-              f"{len(v):>6}")
+              f"{len(v):>8}")
     host_ms = statistics.median(out["host"]) * 1e3
     print(f"rackmend's bookkeeping per step (host, inside the rackmend arm's time): median {host_ms:.2f} ms, "
           f"p90 {_percentile(out['host'], 0.9) * 1e3:.2f} ms")

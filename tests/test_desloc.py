@@ -377,7 +377,8 @@ def test_learner_core_schedule_counters_and_waits() -> None:
                     for a in log
                     if isinstance(a, (SendMoments, ApplyValue, ApplyMoments, WaitForMoments))]
         sends = [a for a in log if isinstance(a, (SendFragment, SendMoments))]
-        counts = {(a.contribution.c_steps, a.contribution.c_tokens) for a in sends}
+        counts = {(c.c_steps, c.c_tokens) for c in (a.draft if isinstance(a, SendFragment) else a.contribution
+                                                    for a in sends)}
         assert len(counts) <= 1, f"step {t}: moments and parameters carry other counters: {counts}"
         for a in sends:
             if isinstance(a, SendMoments):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from dataclasses import replace
+from typing import NamedTuple, Sequence
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ from rackmend.core.learner import (
     WaitForVersion,
 )
 from rackmend.core.assembly import assemble
-from rackmend.core.messages import Update
+from rackmend.core.messages import Contribution, Update
 from rackmend.core.pieces import Piece, RankLayout, cover_problem, plain_layout, rank_layout, whole_pieces
 
 N = 3  # elements per fragment tensor
@@ -60,6 +61,13 @@ def cfg(*, H: int = 4, P: int = 1, tau: int = 1, apply: str = "auto", determinis
 
 def full(x: float) -> torch.Tensor:
     return torch.full((N,), x)
+
+
+class Sent(NamedTuple):
+    """A send as the driver built it."""
+
+    contribution: Contribution
+    nbytes: int
 
 
 class Rack:
@@ -80,9 +88,12 @@ class Rack:
                       for vs, blocks in zip(values, self.core.layout.blocks)]
         """Per fragment, this rank's block of each tensor."""
         self.clock = 100.0
-        self.sent: list[SendFragment] = []
+        self.sent: list[Sent] = []
         self.keep_elsewhere = False
         """Answer ``keep`` snapshots with a separate ``at_send`` copy (as a CUDA driver does)."""
+        self.defer_builds = False
+        """Keep sends unbuilt in ``deferred`` (as a driver building them on another thread)."""
+        self.deferred: list[SendFragment] = []
         for p in range(len(self.specs)):
             joined = Update(p, 0, tuple(t.clone() for t in self.local[p]))
             acts = self.run(self.core.handle(JoinedValue(joined), self.clock))
@@ -109,7 +120,10 @@ class Rack:
             elif isinstance(a, (SetValue, Rebase, ApplyValue)):
                 a.apply_to(self.local[a.fragment])
             elif isinstance(a, SendFragment):
-                self.sent.append(a)
+                if self.defer_builds:
+                    self.deferred.append(a)
+                else:
+                    self.sent.append(Sent(*a.build()))
         return out
 
     def step(self, arrived: Sequence[Update] = (), *, dt: float = 0.5, overhead: float = 0.0) -> list[LearnerAction]:
@@ -372,13 +386,43 @@ def test_lossy_uplink_sends_what_the_syncer_will_merge() -> None:
     assert not torch.equal(decoded, exact) and torch.allclose(decoded, exact, atol=0.01)
 
 
+def test_a_send_built_later_equals_one_built_at_once() -> None:
+    """A driver may build a send on another thread, after the core has moved on: new
+    values applied (the held value replaced), later sends made. The build must give the
+    bits of one made at once, error feedback of a lossy codec included; and only once."""
+    config = cfg(H=2, P=2, tau=1, uplink="int8")
+    now, later = Rack(config), Rack(config)
+    later.defer_builds = True
+    for rack in (now, later):
+        rack.local[0][0].copy_(torch.tensor([0.3, -0.2, 0.01]))
+        rack.local[1][0].copy_(torch.tensor([-0.7, 0.05, 0.4]))
+    for t in range(1, 13):
+        # A merged value of the fragment sent at the previous step (offsets 0 and 1).
+        p = t % 2
+        arrived = [Update(p, t, (full(0.1 * t) + torch.tensor([0.0, 0.3, -0.2]),))] if t > 2 else []
+        for rack in (now, later):
+            rack.step([Update(u.fragment, u.version, tuple(x.clone() for x in u.tensors)) for u in arrived])
+    assert len(later.deferred) == len(now.sent) == 12 and later.core.fragments[0].version > 1
+    for action, sent in zip(later.deferred, now.sent):
+        got, nbytes = action.build()
+        want = sent.contribution
+        assert replace(got, tensors=(), encoded=None) == replace(want, tensors=(), encoded=None)
+        assert nbytes == sent.nbytes
+        assert all(torch.equal(x, y) for x, y in zip(got.tensors, want.tensors, strict=True))
+        for x, y in zip(got.encoded or (), want.encoded or (), strict=True):
+            assert (x.codec, x.shape, x.params) == (y.codec, y.shape, y.params)
+            assert all(torch.equal(a, b) for a, b in zip(x.frames, y.frames, strict=True)), "the codec's output differs"
+    with pytest.raises(RuntimeError, match="built twice"):
+        later.deferred[0].build()
+
+
 # ---------------------------------------------------------------------- several ranks
 def test_ranks_split_fragments_and_agree_on_changes() -> None:
     rack = Rack(cfg(H=4, P=2, tau=1), rank=1, world_size=2)
     assert [rack.core.owns(p) for p in range(2)] == [False, True]
     acts = [a for _ in range(4) for a in rack.step()]
     # Rank 1 sends fragment 1 only; fragment 0 is tracked, for its owner's send.
-    assert [a.contribution.fragment for a in of(acts, SendFragment)] == [1]
+    assert [a.draft.fragment for a in of(acts, SendFragment)] == [1]
     c = rack.sent[0].contribution
     assert (c.rank, c.c_tokens) == (1, 2 * 2 * TOKENS)  # the learner's tokens: x world size
     assert rack.core.in_flight() == (0, 1)

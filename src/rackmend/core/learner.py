@@ -90,6 +90,7 @@ __all__ = [
     "SetValue",
     "Rebase",
     "TakeSnapshot",
+    "OuterGradient",
     "SendFragment",
     "WaitForVersion",
     "ShareChanges",
@@ -281,14 +282,53 @@ class TakeSnapshot:
     memory the driver does not reuse."""
 
 
+@dataclass
+class OuterGradient:
+    """What a send's outer gradient is computed from: the owned pieces of the global
+    value held at the send and of the snapshot, and the uplink codec's error feedback."""
+
+    fragment: int
+    held: tuple[torch.Tensor, ...]
+    local: tuple[torch.Tensor, ...]
+    uplink: FeedbackEncoder | None
+    nbytes: int
+    """Bytes of the owned pieces, uncompressed."""
+    computed: bool = False
+
+
 @dataclass(frozen=True)
 class SendFragment:
-    """Send ``contribution`` (the outer gradient of the fragment's pieces, its counters
-    and what rides along) to the syncer."""
+    """Send the fragment's contribution to the syncer; ``build()`` makes it.
 
-    contribution: Contribution
-    nbytes: int
-    """Bytes of outer gradient: encoded bytes with a lossy uplink codec."""
+    ``draft`` is the contribution without its outer gradient (counters, what rides
+    along). ``build`` computes ``held - local`` of the owned pieces and passes it through
+    a lossy uplink codec's error feedback. It reads only tensors nobody writes any more
+    (a new global value replaces the held one, never writes it; the snapshot is the
+    driver's memory, not to be reused before ``build`` returns), so a driver may call it
+    later and on another thread, once the snapshot's copy is complete: each send's
+    ``build`` once, in the order the actions came (the error feedback runs through them
+    in that order). It keeps the arithmetic and the wire off the training thread."""
+
+    draft: Contribution
+    outer: OuterGradient
+
+    def build(self) -> tuple[Contribution, int]:
+        """The contribution to send and its bytes of outer gradient (encoded bytes with
+        a lossy uplink codec)."""
+        o = self.outer
+        if o.computed:
+            raise RuntimeError(f"the send of fragment {o.fragment} at step {self.draft.step} was built twice; "
+                               "build each SendFragment once (a second build would feed the codec's error "
+                               "feedback twice)")
+        o.computed = True
+        delta = tuple(_difference(h, t) for h, t in zip(o.held, o.local))
+        if o.uplink is None:
+            return replace(self.draft, tensors=delta), o.nbytes
+        pairs = [o.uplink.encode_decoded((o.fragment, i), d) for i, d in enumerate(delta)]
+        encoded = tuple(enc for enc, _ in pairs)
+        # The decoded values: what the syncer will merge, bit for bit.
+        return (replace(self.draft, tensors=tuple(dec for _, dec in pairs), encoded=encoded),
+                sum(enc.nbytes() for enc in encoded))
 
 
 @dataclass(frozen=True)
@@ -738,16 +778,8 @@ class LearnerCore:
         if not f.owns:
             f.in_flight = InFlight(self.step, keep, f.counts())
             return
-        delta = tuple(_difference(f.held[pc.tensor], event.pieces[pc.tensor]) for pc in f.owned)
-        encoded = None
-        nbytes = f.owned_nbytes
-        if self.uplink is not None:
-            pairs = [self.uplink.encode_decoded((p, i), d) for i, d in enumerate(delta)]
-            encoded = tuple(enc for enc, _ in pairs)
-            delta = tuple(dec for _, dec in pairs)  # what the syncer will merge, bit for bit
-            nbytes = sum(enc.nbytes() for enc in encoded)
         gain, f.gain_to_report = f.gain_to_report, None
-        contribution = Contribution(
+        draft = Contribution(
             learner_id=self.learner_id,
             fragment=p,
             base_version=f.version,
@@ -756,8 +788,7 @@ class LearnerCore:
             c_steps=f.c_steps,
             c_tokens=f.c_tokens,
             step_time=f.c_time / f.c_steps if f.c_steps else 0.0,
-            tensors=delta,
-            encoded=encoded,
+            tensors=(),
             merge_gain=gain,
             rank=self.rank,
             rank_steps=len(self.rank_times),
@@ -766,7 +797,9 @@ class LearnerCore:
         )
         self.rank_times = []
         f.in_flight = InFlight(self.step, keep, f.counts())
-        actions.append(SendFragment(contribution, nbytes))
+        outer = OuterGradient(p, tuple(f.held[pc.tensor] for pc in f.owned),
+                              tuple(event.pieces[pc.tensor] for pc in f.owned), self.uplink, f.owned_nbytes)
+        actions.append(SendFragment(draft, outer))
 
     def _apply_due(self, now: float, actions: list[LearnerAction]) -> None:
         """Resolve, in fragment order, every fragment at or past t_send + tau. Returns early

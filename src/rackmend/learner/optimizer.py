@@ -67,6 +67,7 @@ from rackmend.core.learner import (
 from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.pieces import RackPieces
+from rackmend.learner.sending import SendThread
 from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
@@ -181,6 +182,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bytes of outer gradients sent (encoded bytes with a lossy uplink codec)."""
         self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
         self._pinned: dict[int, list[torch.Tensor]] = {}
+        self._copied: dict[int, Any] = {}
+        """Per fragment, the CUDA event after its latest snapshot's copy, until its send is queued."""
+        self._sends = SendThread(f"{learner_id}-{self.rank}")
+        """Builds contributions and hands them to the link, off the training thread."""
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
         self.on_fail_slow: Callable[[FailSlowReport], None] = self._warn_fail_slow
@@ -307,6 +312,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         restore them onto a newer global value whatever the model holds then)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._sends.wait()  # the uplink codec's residuals include every send made
         state = {
             "inner": self.inner.state_dict(),
             "rackmend": {
@@ -335,6 +341,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             result = pre(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._sends.wait()  # no send may read the uplink's residuals while they are replaced
         self.inner.load_state_dict(state_dict["inner"])
         rs = state_dict["rackmend"]
         if "params" not in rs:
@@ -367,10 +374,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "opt.load_state_dict(...), then train")
 
     def close(self) -> None:
-        """Leave the run (the syncer stops expecting this learner at once)."""
-        if self._scalars is not None:
-            self._scalars.close()
-        self.link.leave()
+        """Send what is queued, then leave the run (the syncer stops expecting this
+        learner at once)."""
+        try:
+            self._sends.close()
+        finally:
+            if self._scalars is not None:
+                self._scalars.close()
+            self.link.leave()
 
     def __enter__(self) -> "RackmendOptimizer":
         return self
@@ -383,6 +394,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bookkeeping after one inner step; ``step`` calls it for you."""
         core = self.core
         now = self._clock()
+        self._sends.check()
         if self._poll_advice is not None:
             for report in self._poll_advice():
                 self.on_fail_slow(report)
@@ -404,11 +416,12 @@ class RackmendOptimizer(torch.optim.Optimizer):
                         with torch.no_grad():
                             at_send = [t.detach().clone() for t in self._params[a.fragment]]
                     else:  # values late or the syncer away: device memory is not for piling copies up
+                        self._copied[a.fragment].synchronize()
                         pieces = [t.clone() for t in pieces]
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
+                self._copied.pop(a.fragment, None)
             elif isinstance(a, SendFragment):
-                self.link.send(a.contribution)
-                self.bytes_sent += a.nbytes
+                self._sends.submit(self._sender(a, self._copied.get(a.draft.fragment)), a.draft.fragment)
             elif isinstance(a, ApplyValue):
                 self._apply(a)
             elif isinstance(a, (SetValue, Rebase)):
@@ -428,14 +441,32 @@ class RackmendOptimizer(torch.optim.Optimizer):
             elif isinstance(a, TakeMoments):
                 self._run(self.core.handle(MomentsTaken(a.fragment, a.kind, self._take_moments(a)), self._clock()))
             elif isinstance(a, SendMoments):
-                self.link.send_moments(a.contribution)  # type: ignore[attr-defined]
-                self.bytes_sent += a.nbytes
+                self._sends.submit(self._moments_sender(a))
             elif isinstance(a, WaitForMoments):
                 self._run(self.core.handle(MomentsAnswered(a.fragment, a.kind, self._wait_moments(a)), self._clock()))
             elif isinstance(a, ApplyMoments):
                 self._apply_moments(a)
             else:
                 raise TypeError(f"unknown learner action {a!r}")
+
+    def _sender(self, action: SendFragment, copied: Any) -> Callable[[], None]:
+        """The send thread's job for ``action``: wait for the snapshot's copy (a CUDA
+        event; None on the host), build the contribution, hand it to the link."""
+        def job() -> None:
+            if copied is not None:
+                copied.synchronize()
+            contribution, nbytes = action.build()
+            self.link.send(contribution)
+            self.bytes_sent += nbytes
+        return job
+
+    def _moments_sender(self, action: SendMoments) -> Callable[[], None]:
+        """The send thread's job for ``action`` (after the sends before it, on the one
+        thread that sends on the link)."""
+        def job() -> None:
+            self.link.send_moments(action.contribution)  # type: ignore[attr-defined]
+            self.bytes_sent += action.nbytes
+        return job
 
     def _warn_fail_slow(self, report: FailSlowReport) -> None:
         """The default ``on_fail_slow``: a log line naming the slow rank."""
@@ -473,6 +504,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _wait(self, action: WaitForVersion) -> Update:
         t0 = self._clock()
+        self._sends.wait()  # the merge waited for needs this learner's sends
         upd = self.link.wait(action.fragment, action.after_version, max(0.0, action.deadline - t0))
         self.blocked_seconds += self._clock() - t0
         if upd is None:
@@ -534,6 +566,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _wait_moments(self, action: WaitForMoments) -> MomentUpdate:
         t0 = self._clock()
+        self._sends.wait()
         upd = self.link.wait_moments(action.fragment, action.kind, action.after_version,  # type: ignore[attr-defined]
                                      action.epoch, max(0.0, action.deadline - t0))
         self.blocked_seconds += self._clock() - t0
@@ -547,9 +580,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def _snapshot(self, p: int) -> list[torch.Tensor]:
         """Host copy of fragment p. CUDA parameters go to pinned buffers (reused per
-        fragment) on a side stream, so the copy overlaps the next kernels of the
-        current stream instead of serialising with them; the host waits only for
-        this copy, never for the whole device queue."""
+        fragment) on a side stream, queued behind this step's kernels: the training
+        thread does not wait for them; the send thread waits for the copy's event
+        (``_copied[p]``) before it reads the buffers."""
         params = self._params[p]
         if not params or not params[0].is_cuda:
             return [param.detach().to("cpu", copy=True) for param in params]
@@ -559,12 +592,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
             self._pinned[p] = buffers
+        else:
+            self._sends.wait(p)  # the previous send of p has read its buffers
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(params[0].device))
         with torch.cuda.stream(stream):
             for buf, param in zip(buffers, params):
                 buf.copy_(param.detach(), non_blocking=True)
-        stream.synchronize()
+            self._copied[p] = torch.cuda.Event()
+            self._copied[p].record(stream)
         return buffers
 
     @torch.no_grad()

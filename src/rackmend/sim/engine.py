@@ -332,8 +332,9 @@ class Simulation:
             elif isinstance(a, SendFragment):
                 lr.sent += 1
                 spec = self.config.racks[lr.index]
-                lr.up_free = self._transfer(lr.up_free, a.nbytes, spec.uplink_bandwidth)
-                self._push(lr.up_free + spec.uplink_latency, _ARRIVE, (a.contribution,))
+                contribution, nbytes = a.build()
+                lr.up_free = self._transfer(lr.up_free, nbytes, spec.uplink_bandwidth)
+                self._push(lr.up_free + spec.uplink_latency, _ARRIVE, (contribution,))
             elif isinstance(a, WaitForVersion):
                 lr.waiting = a
                 self._push(a.deadline, _WAIT_TIMEOUT, (lr.index, lr.life, a))

@@ -50,7 +50,9 @@ class LearnerLink(Protocol):
         ...
 
     def send(self, contribution: Contribution) -> None:
-        """Queue a contribution for the syncer; returns at once."""
+        """Queue a contribution for the syncer; returns at once. ``RackmendOptimizer``
+        calls it (and ``send_moments``) from its send thread, one call at a time in the
+        order of the sends, never from the training thread (``rackmend.learner.sending``)."""
         ...
 
     def poll(self) -> list[Update]:

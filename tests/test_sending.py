@@ -1,0 +1,143 @@
+"""The learner's send thread (``rackmend.learner.sending``): contributions leave from one
+thread other than the training thread, in order; a failed send is raised on the
+training thread, never lost; ``close`` sends what is queued before leaving; the
+results equal a run whose sends leave at once (the deterministic reference tests
+cover that bit for bit: tests/test_deterministic.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from rackmend import CompressionConfig, InProcessSyncer, RackmendConfig, RackmendOptimizer, ScheduleConfig
+from rackmend.core.messages import Contribution
+from rackmend.learner.sending import MAX_PENDING, SendThread
+from rackmend.transport.base import LearnerLink, TransportError
+
+from helpers import make_inner, make_model, train
+
+
+class RecordingLink:
+    """A real in-process link, recording each call (and on which thread), optionally
+    slow or failing at the n-th send: the faults a send thread must not hide."""
+
+    def __init__(self, inner: LearnerLink, *, fail_at: int = 0, send_delay: float = 0.0) -> None:
+        self.inner = inner
+        self.fail_at = fail_at
+        self.send_delay = send_delay
+        self.calls: list[tuple[str, str, int, int]] = []
+        """(call, thread name, fragment, step)."""
+        self.rank, self.world_size = 0, 1
+
+    def join(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.inner.join(*args, **kwargs)
+
+    def send(self, contribution: Contribution) -> None:
+        if self.send_delay:
+            time.sleep(self.send_delay)
+        self.calls.append(("send", threading.current_thread().name, contribution.fragment, contribution.step))
+        if self.fail_at and sum(c[0] == "send" for c in self.calls) == self.fail_at:
+            raise TransportError("the link to the syncer failed: injected at this send")
+        self.inner.send(contribution)
+
+    def poll(self):  # type: ignore[no-untyped-def]
+        return self.inner.poll()
+
+    def wait(self, fragment: int, after_version: int, timeout: float):  # type: ignore[no-untyped-def]
+        return self.inner.wait(fragment, after_version, timeout)
+
+    def leave(self) -> None:
+        self.calls.append(("leave", threading.current_thread().name, -1, -1))
+        self.inner.leave()
+
+
+def _config() -> RackmendConfig:
+    return RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1))
+
+
+def test_sends_leave_from_one_thread_in_order() -> None:
+    config = _config()
+    with InProcessSyncer.for_model(config, make_model()) as hub:
+        model = make_model()
+        link = RecordingLink(hub.connect())
+        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        train(opt, model, "l0", range(1, 13))
+        opt.close()
+    sends = [c for c in link.calls if c[0] == "send"]
+    # One fragment leaves after every step (P = H = 2), in step order, all from the send thread.
+    assert [(p, t) for _, _, p, t in sends] == [(t % 2, t) for t in range(1, 13)]
+    threads = {name for _, name, _, _ in sends}
+    assert len(threads) == 1 and threading.current_thread().name not in threads, threads
+    assert link.calls[-1][0] == "leave"
+    assert opt.bytes_sent == sum(t.numel() * 4 for t in model.parameters()) * 6
+
+
+def test_a_failed_send_is_raised_on_the_training_thread() -> None:
+    config = _config()
+    with InProcessSyncer.for_model(config, make_model()) as hub:
+        model = make_model()
+        link = RecordingLink(hub.connect(), fail_at=3)
+        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        with pytest.raises(TransportError, match="injected at this send"):
+            train(opt, model, "l0", range(1, 9), sleep=0.05)
+        failed_at = opt.step_count
+        assert 3 <= failed_at <= 5, f"the failure of the 3rd send surfaced only after step {failed_at}"
+        # The link is still left (the syncer stops waiting for this learner at once).
+        opt.close()
+        assert link.calls[-1][0] == "leave"
+
+
+def test_close_sends_what_is_queued_before_leaving() -> None:
+    config = _config()
+    with InProcessSyncer.for_model(config, make_model()) as hub:
+        model = make_model()
+        link = RecordingLink(hub.connect(), send_delay=0.3)
+        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        train(opt, model, "l0", range(1, 5))
+        queued_for = time.monotonic() - t0
+        opt.close()
+    # The training thread did not wait for the slow link (4 sends x 0.3 s) ...
+    assert queued_for < 0.9, f"4 steps took {queued_for:.2f} s: the training thread waited for the sends"
+    # ... and every send left before the leave.
+    assert [c[0] for c in link.calls] == ["send"] * 4 + ["leave"]
+
+
+def test_state_dict_waits_for_queued_sends() -> None:
+    """A checkpoint holds the uplink codec's residuals: it is taken after every send
+    made before it has run, so a resumed learner continues the same error feedback."""
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1),
+                            compression=CompressionConfig(uplink="int8"))
+    with InProcessSyncer.for_model(config, make_model()) as hub:
+        model = make_model()
+        link = RecordingLink(hub.connect(), send_delay=0.2)
+        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        train(opt, model, "l0", range(1, 4))
+        state = opt.state_dict()
+        assert sum(c[0] == "send" for c in link.calls) == 3
+        # Residuals of both fragments: the sends of steps 2 and 3 were built before it.
+        residuals = [json.loads(k.split("/", 1)[1]) for k in state["rackmend"]["uplink"] if k.startswith("residual/")]
+        assert {key[0] for key in residuals} == {0, 1}, residuals
+        opt.close()
+
+
+def test_send_thread_bounds_what_is_queued() -> None:
+    release = threading.Event()
+    started: list[int] = []
+    sender = SendThread("test")
+
+    def job(i: int) -> None:
+        started.append(i)
+        release.wait(10)
+
+    waiter = threading.Thread(target=lambda: [sender.submit(lambda i=i: job(i)) for i in range(MAX_PENDING + 2)])
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive(), "submit did not wait with more than MAX_PENDING jobs queued"
+    release.set()
+    waiter.join(10)
+    sender.close()
+    assert started == list(range(MAX_PENDING + 2))
