@@ -84,6 +84,33 @@ def test_cuda_learners_match_the_reference_on_the_device(apply: str) -> None:
             torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=f"{lid}.{name}")
 
 
+@pytest.mark.parametrize("apply", ["overwrite", "keep_local"])
+def test_cuda_values_that_arrive_early_apply_from_their_staged_device_copy(apply: str) -> None:
+    """A merged value that arrives before t_send + tau is copied to the device on a side
+    stream as it arrives; the apply reads that copy after the stream's event. A copy read
+    before it completed, or freed and reused too early, would miss the reference."""
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=2),
+        syncer=SyncerConfig(min_quorum=1, learners=("l0",)),
+        learner=LearnerConfig(wait_timeout=60, apply=apply),
+        deterministic=True,
+    )
+    steps = 16
+    hub = InProcessSyncer.for_model(config, OnDevice(make_model(), "cpu"))
+    model = _cuda_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+    try:
+        train(opt, model, "l0", range(1, steps + 1), sleep=0.05)  # merges come back within a step
+    finally:
+        opt.close()
+        hub.close()
+    assert opt._cuda is not None and opt._cuda.staged_applies >= steps // 4, opt._cuda.staged_applies
+    ref_models, _ = reference_run(_cuda_model, make_inner, batch, config, ["l0"], steps)
+    got = dict(model.named_parameters())
+    for name, ref in ref_models["l0"].named_parameters():
+        torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_keep_local_copies_in_device_memory_stay_bounded_while_no_value_comes() -> None:
     """With no merge coming back (quorum never met), fragments stay in flight: the at-send
     copies kept on the device stop at what the schedule keeps in flight plus one (here

@@ -5,8 +5,10 @@ inner optimizer (``step``, ``zero_grad``, ``param_groups``, ``state_dict``). Aft
 each inner step it feeds rackmend's sans-I/O learner core (``rackmend.core.learner``,
 which owns the rules: when a fragment is due, the outer gradient, the counters,
 when and how a merged value applies, what deterministic mode waits for) and carries
-out the core's actions: host snapshots of fragments (pinned buffers on a side
-stream on CUDA), sends and waits on the link, the collectives between the ranks of
+out the core's actions: host snapshots of fragments (on CUDA through
+``rackmend.learner.device``: pinned buffers on a side stream, merged values staged on
+the device as they arrive), sends on one send thread (``rackmend.learner.sending``)
+and waits on the link, the collectives between the ranks of
 a multi-rank learner (``rackmend.learner.pieces``: agreeing on what changes, bringing
 received values to every rank, sharded DTensor parameters included), writes into
 the model's parameters, merge-gain probes and user callbacks. It owns the model,
@@ -66,6 +68,7 @@ from rackmend.core.learner import (
 )
 from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings
+from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces
 from rackmend.learner.sending import SendThread
 from rackmend.learner.tensorboard import LearnerScalars
@@ -165,9 +168,6 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
         DTensor, this rank's local shard (a view: writing it writes the parameter). The
         pieces the core's values and actions are about."""
-        self._device_copies = -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1
-        """keep_local on CUDA: fragments in flight whose at-send copy may stay in device
-        memory, what the schedule keeps in flight plus one; copies beyond go to the host."""
         self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
                                 world_size=self.world_size, layout=self._pieces.layout)
         """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
@@ -180,12 +180,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
         """Bytes of outer gradients sent (encoded bytes with a lossy uplink codec)."""
-        self._copy_stream: Any = None  # torch.cuda.Stream for snapshots, made on first CUDA send
-        self._pinned: dict[int, list[torch.Tensor]] = {}
-        self._copied: dict[int, Any] = {}
-        """Per fragment, the CUDA event after its latest snapshot's copy, until its send is queued."""
         self._sends = SendThread(f"{learner_id}-{self.rank}")
         """Builds contributions and hands them to the link, off the training thread."""
+        first = next((t for ts in self._params for t in ts), None)
+        self._cuda = None if first is None or not first.is_cuda else CudaCopies(
+            first.device, self._sends, -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1,
+            f"{learner_id}-{self.rank}")
+        """A CUDA learner's snapshots, at-send copies and staged merged values; copies in
+        device memory bounded by what the schedule keeps in flight, plus one fragment."""
         self.on_apply: Callable[[int, Update], None] | None = None
         """Optional hook called after a merged value is applied (fragment, update)."""
         self.on_fail_slow: Callable[[FailSlowReport], None] = self._warn_fail_slow
@@ -378,6 +380,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         learner at once)."""
         try:
             self._sends.close()
+            if self._cuda is not None:
+                self._cuda.close()
         finally:
             if self._scalars is not None:
                 self._scalars.close()
@@ -399,7 +403,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
             for report in self._poll_advice():
                 self.on_fail_slow(report)
         moments = tuple(self.link.poll_moments()) if self._moment_params else ()  # type: ignore[attr-defined]
-        self._run(core.handle(InnerStepDone(tokens, tuple(self.link.poll()), moments), now))
+        arrived = tuple(self.link.poll())
+        if arrived and self._cuda is not None and self.world_size == 1:
+            self._cuda.stage(arrived, core.in_flight())
+        self._run(core.handle(InnerStepDone(tokens, arrived, moments), now))
         self._run(core.handle(ApplyDue(), self._clock()))
         core.handle(TrainingResumed(), self._clock())
 
@@ -407,21 +414,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Carry out the core's actions in order (answers to them run at once)."""
         for a in actions:
             if isinstance(a, TakeSnapshot):
-                pieces = self._snapshot(a.fragment)
-                at_send = None
-                if a.keep and a.fragment in self._pinned:  # pinned buffers are reused at the next send
-                    if len(self.core.in_flight()) < self._device_copies:
-                        # The copy to keep stays on the device, queued behind this step's
-                        # kernels: no host time, and the apply reads it there.
-                        with torch.no_grad():
-                            at_send = [t.detach().clone() for t in self._params[a.fragment]]
-                    else:  # values late or the syncer away: device memory is not for piling copies up
-                        self._copied[a.fragment].synchronize()
-                        pieces = [t.clone() for t in pieces]
+                params = self._params[a.fragment]
+                if self._cuda is not None and params and params[0].is_cuda:
+                    pieces, at_send = self._cuda.snapshot(a.fragment, params, a.keep, len(self.core.in_flight()))
+                else:
+                    pieces, at_send = [t.detach().to("cpu", copy=True) for t in params], None
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
-                self._copied.pop(a.fragment, None)
             elif isinstance(a, SendFragment):
-                self._sends.submit(self._sender(a, self._copied.get(a.draft.fragment)), a.draft.fragment)
+                ready = None if self._cuda is None else self._cuda.ready(a.draft.fragment)
+                self._sends.submit(self._sender(a, ready), a.draft.fragment)
             elif isinstance(a, ApplyValue):
                 self._apply(a)
             elif isinstance(a, (SetValue, Rebase)):
@@ -578,37 +579,12 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "it dropped; raise learner.wait_timeout if merges are slower)")
         return upd
 
-    def _snapshot(self, p: int) -> list[torch.Tensor]:
-        """Host copy of fragment p. CUDA parameters go to pinned buffers (reused per
-        fragment) on a side stream, queued behind this step's kernels: the training
-        thread does not wait for them; the send thread waits for the copy's event
-        (``_copied[p]``) before it reads the buffers."""
-        params = self._params[p]
-        if not params or not params[0].is_cuda:
-            return [param.detach().to("cpu", copy=True) for param in params]
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=params[0].device)
-        buffers = self._pinned.get(p)
-        if buffers is None:
-            buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
-            self._pinned[p] = buffers
-        else:
-            self._sends.wait(p)  # the previous send of p has read its buffers
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(params[0].device))
-        with torch.cuda.stream(stream):
-            for buf, param in zip(buffers, params):
-                buf.copy_(param.detach(), non_blocking=True)
-            self._copied[p] = torch.cuda.Event()
-            self._copied[p].record(stream)
-        return buffers
-
     @torch.no_grad()
     def _apply(self, action: ApplyValue) -> None:
         """A merged value, with the merge-gain probe around it when one is set."""
         p = action.fragment
         before = float(self.probe_loss()) if self.probe_loss is not None else None
-        action.apply_to(self._params[p])
+        (action if self._cuda is None else self._cuda.on_device(action)).apply_to(self._params[p])
         if before is not None:
             assert self.probe_loss is not None
             self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))

@@ -1,0 +1,137 @@
+"""A CUDA learner's copies between the device and the host, kept off the training thread's path.
+
+- **Snapshots.** A due fragment's pieces go to pinned host buffers (reused per
+  fragment) on a side stream, queued behind the step's kernels; the training thread
+  does not wait for them. ``ready(p)`` hands the copy's event to the send thread
+  (``rackmend.learner.sending``), which waits for it before it reads the buffers.
+- **At-send copies** (``keep_local``): kept on the device, queued behind the step (no
+  host time, and the apply reads them there), at most ``bound`` fragments in flight;
+  beyond that (values late, the syncer away) they go to the host, so an outage cannot
+  fill the device.
+- **Merged values** (one-process learners): when a value arrives, a staging thread
+  copies it to pinned memory and on to the device on a second side stream; the apply
+  waits for that copy on the device (an event), never on the host. A copy from
+  ordinary (pageable) host memory would first wait for every kernel queued, so the host
+  would lose its lead over the device at every apply.
+
+What does not live here: when to copy (``rackmend.core.learner``), a CPU learner's
+snapshots (plain host copies), the collectives of multi-rank learners
+(``rackmend.learner.pieces``), which bring values to the ranks themselves.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Sequence
+
+import torch
+
+from rackmend.core.learner import ApplyValue
+from rackmend.core.messages import Update
+from rackmend.learner.sending import SendThread
+
+__all__ = ["CudaCopies"]
+
+_Staged = tuple[list[torch.Tensor], list[torch.Tensor], Any]
+"""Pinned host copies, device copies, and the event after the copy to the device."""
+
+
+class CudaCopies:
+    """See the module docstring. ``bound``: fragments in flight whose copies may stay in
+    device memory (what the schedule keeps in flight, plus one)."""
+
+    def __init__(self, device: torch.device, sends: SendThread, bound: int, name: str) -> None:
+        self.device = device
+        self.bound = bound
+        self._sends = sends
+        self._copy_stream = torch.cuda.Stream(device=device)
+        self._pinned: dict[int, list[torch.Tensor]] = {}
+        self._copied: dict[int, Any] = {}
+        """Per fragment, the event after its latest snapshot's copy, until ``ready`` takes it."""
+        self._stage_stream = torch.cuda.Stream(device=device)
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rackmend-stage-{name}")
+        self._staged: dict[int, tuple[Update, Future[_Staged]]] = {}
+        """Per fragment, the newest value that arrived and its copy on the way to the device."""
+        self.staged_applies = 0
+        """Merged values applied from a staged device copy."""
+
+    # ------------------------------------------------------------------ snapshots
+    @torch.no_grad()
+    def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool,
+                 in_flight: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Fragment p's pieces for ``SnapshotTaken``: (host pieces, at-send copy or None).
+        The host pieces are pinned buffers the copy is still filling (``ready(p)``)."""
+        buffers = self._pinned.get(p)
+        if buffers is None:
+            buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
+            self._pinned[p] = buffers
+        else:
+            self._sends.wait(p)  # the previous send of p has read its buffers
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for buf, param in zip(buffers, params):
+                buf.copy_(param.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._copied[p] = done
+        if not keep:
+            return buffers, None
+        if in_flight < self.bound:
+            return buffers, [t.detach().clone() for t in params]
+        # The buffers are reused at the next send, so the copy kept must be another.
+        done.synchronize()
+        return [t.clone() for t in buffers], None
+
+    def ready(self, p: int) -> Any:
+        """The event after fragment p's latest snapshot copy (the send thread waits for it)."""
+        return self._copied.pop(p, None)
+
+    # ------------------------------------------------------------------ merged values
+    def stage(self, arrived: Sequence[Update], in_flight: Sequence[int]) -> None:
+        """Start copying arrived values of fragments in flight to the device (the newest
+        per fragment; at most ``bound`` at once)."""
+        for upd in arrived:
+            p = upd.fragment
+            if p not in in_flight or (p not in self._staged and len(self._staged) >= self.bound):
+                continue
+            self._drop(p)
+            self._staged[p] = (upd, self._stager.submit(self._to_device, upd))
+
+    def _to_device(self, upd: Update) -> _Staged:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stage_stream):
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in upd.tensors]
+            on_device = [h.to(self.device, non_blocking=True) for h in host]
+            done = torch.cuda.Event()
+            done.record(self._stage_stream)
+        return host, on_device, done
+
+    def on_device(self, action: ApplyValue) -> ApplyValue:
+        """``action`` reading its value from the device copy staged for it, ordered on the
+        current stream after that copy; as it is when none was staged."""
+        staged = self._staged.pop(action.fragment, None)
+        if staged is None or staged[0] is not action.update:
+            self._check(staged)
+            return action
+        _, on_device, done = staged[1].result()
+        self.staged_applies += 1
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in on_device:
+            # Made on the staging stream, read on this one: the allocator must not hand
+            # the memory out again before this stream's reads have run.
+            t.record_stream(current)
+        return replace(action, update=replace(action.update, tensors=tuple(on_device)))
+
+    def _drop(self, p: int) -> None:
+        self._check(self._staged.pop(p, None))
+
+    @staticmethod
+    def _check(staged: tuple[Update, Future[_Staged]] | None) -> None:
+        """A staging copy not used: its failure, if it failed, is still raised."""
+        if staged is not None and staged[1].done():
+            staged[1].result()
+
+    def close(self) -> None:
+        self._stager.shutdown(wait=True)
