@@ -3,9 +3,10 @@
 1. every CUDA test (``pytest -m cuda``: codecs on the device, learners on the device
    against the reference, multi-GPU racks where there are GPUs for them);
 2. the codecs on the device (``benchmarks/codecs.py --quick --device cuda``);
-3. the learner-overhead benchmark on the device, one process (every step synchronised,
-   at torch's default threads and at 4; and per block, the host running ahead) and,
-   with two or more GPUs, an FSDP2 rack over two of them (``benchmarks/learner_overhead.py``).
+3. the learner-overhead benchmark on the device (``benchmarks/learner_overhead.py``):
+   one process, every step synchronised, at torch's default threads and at 4, and timed
+   per block with the host running ahead; and an FSDP2 rack over two GPUs (over one
+   where there is only one).
 
 Each part prints its own table and ``RESULT`` line; this script adds one ``RESULT`` line
 per part with its exit status and wall time, and exits non-zero when any part failed.
@@ -47,9 +48,12 @@ def main() -> int:
                                            "--threads", "4", "--timing", "block", "--repeats", "12", "--block", "48",
                                            "--out", str(HERE / "results" / "learner_overhead-single-cuda-block.json")]),
     ]
-    if gpus >= 2:
-        parts.append(("learner_overhead_fsdp", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
-                                                "--rack", "fsdp", "--ranks", "2"]))
+    # An FSDP2 rack: over two GPUs where there are two; else over one (the same DTensor
+    # parameters and collectives, NCCL with one rank), so one GPU still measures it.
+    ranks = "2" if gpus >= 2 else "1"
+    parts.append((f"learner_overhead_fsdp{ranks}", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
+                                                   "--rack", "fsdp", "--ranks", ranks, "--threads", "4", "--out",
+                                                   str(HERE / "results" / f"learner_overhead-fsdp{ranks}-cuda.json")]))
     failed = 0
     for name, cmd in parts:
         print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
