@@ -151,9 +151,9 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
                 if idx == 0 and t in eval_at:
                     tokens = sum(done_steps.values()) * tokens_per_step
                     points.append((tokens, time.perf_counter() - t_start, global_loss()))
+            opt.close()  # first: the sends still queued count in bytes_sent
             blocked[lid] = opt.blocked_seconds
             sent[lid] = opt.bytes_sent
-            opt.close()
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 

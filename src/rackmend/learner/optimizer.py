@@ -179,7 +179,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.blocked_seconds = 0.0
         """Wall time spent blocked on the syncer (join excluded)."""
         self.bytes_sent = 0
-        """Bytes of outer gradients sent (encoded bytes with a lossy uplink codec)."""
+        """Bytes of outer gradients (and DES-LOC moments) handed to the link (encoded bytes
+        with a lossy codec), as of this step's bookkeeping: the send thread's count, taken
+        on the training thread so it holds still between steps (final after ``close``)."""
+        self._bytes_out = 0
+        """The send thread's running count behind ``bytes_sent``."""
         self._sends = SendThread(f"{learner_id}-{self.rank}")
         """Builds contributions and hands them to the link, off the training thread."""
         first = next((t for ts in self._params for t in ts), None)
@@ -380,6 +384,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         learner at once)."""
         try:
             self._sends.close()
+            self.bytes_sent = self._bytes_out
             if self._cuda is not None:
                 self._cuda.close()
         finally:
@@ -399,6 +404,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         core = self.core
         now = self._clock()
         self._sends.check()
+        self.bytes_sent = self._bytes_out
         if self._poll_advice is not None:
             for report in self._poll_advice():
                 self.on_fail_slow(report)
@@ -458,7 +464,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 copied.synchronize()
             contribution, nbytes = action.build()
             self.link.send(contribution)
-            self.bytes_sent += nbytes
+            self._bytes_out += nbytes
         return job
 
     def _moments_sender(self, action: SendMoments) -> Callable[[], None]:
@@ -466,7 +472,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         thread that sends on the link)."""
         def job() -> None:
             self.link.send_moments(action.contribution)  # type: ignore[attr-defined]
-            self.bytes_sent += action.nbytes
+            self._bytes_out += action.nbytes
         return job
 
     def _warn_fail_slow(self, report: FailSlowReport) -> None:
