@@ -8,9 +8,10 @@ It owns the rules of Decoupled DiLoCo's learner side (``../DESIGN.md`` §1):
 
 - when a fragment is due: after inner step t when ``(t - t_p) mod H == 0``;
 - the outer gradient ``held - local`` against the global value held, through the
-  uplink codec's error feedback, and what rides along with it: step and token
-  counters, step time, this rank's step times for fail-slow detection, the merge
-  gain measured when the previous value was applied;
+  uplink codec's error feedback (computed when the driver builds the send,
+  ``SendFragment.build``, which it may do on another thread), and what rides along
+  with it: step and token counters, step time, this rank's step times for fail-slow
+  detection, the merge gain measured when the previous value was applied;
 - when a merged value is applied: at ``t_send + tau`` of this learner's own send, or
   on the first step after it arrives if later; in deterministic mode it waits for
   it there instead (``WaitForVersion``);
@@ -289,11 +290,15 @@ class OuterGradient:
 
     fragment: int
     held: tuple[torch.Tensor, ...]
+    """The owned pieces of the global value held when the send was made."""
     local: tuple[torch.Tensor, ...]
+    """The owned pieces of the snapshot."""
     uplink: FeedbackEncoder | None
+    """A lossy uplink codec with the learner's error feedback; None: sent uncompressed."""
     nbytes: int
     """Bytes of the owned pieces, uncompressed."""
     computed: bool = False
+    """Set by the one ``SendFragment.build``."""
 
 
 @dataclass(frozen=True)

@@ -384,10 +384,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         learner at once)."""
         try:
             self._sends.close()
+        finally:
             self.bytes_sent = self._bytes_out
             if self._cuda is not None:
                 self._cuda.close()
-        finally:
             if self._scalars is not None:
                 self._scalars.close()
             self.link.leave()
