@@ -17,6 +17,8 @@ from rackmend.core.messages import Contribution
 from rackmend.learner.sending import MAX_PENDING, SendThread
 from rackmend.transport.base import LearnerLink, TransportError
 
+from torch import nn
+
 from helpers import make_inner, make_model, train
 
 
@@ -54,16 +56,24 @@ class RecordingLink:
         self.inner.leave()
 
 
-def _config() -> RackmendConfig:
-    return RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1))
+def _config(**compression: str) -> RackmendConfig:
+    return RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1),
+                          compression=CompressionConfig(**compression))
+
+
+def _learner(hub: InProcessSyncer, config: RackmendConfig,
+             **faults: float) -> tuple[nn.Module, RecordingLink, RackmendOptimizer]:
+    """A learner of the tests' TinyLM on a recording link to ``hub``."""
+    model = make_model()
+    link = RecordingLink(hub.connect(), **faults)  # type: ignore[arg-type]
+    opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+    return model, link, opt
 
 
 def test_sends_leave_from_one_thread_in_order() -> None:
     config = _config()
     with InProcessSyncer.for_model(config, make_model()) as hub:
-        model = make_model()
-        link = RecordingLink(hub.connect())
-        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        model, link, opt = _learner(hub, config)
         train(opt, model, "l0", range(1, 13))
         opt.close()
     sends = [c for c in link.calls if c[0] == "send"]
@@ -78,9 +88,7 @@ def test_sends_leave_from_one_thread_in_order() -> None:
 def test_a_failed_send_is_raised_on_the_training_thread() -> None:
     config = _config()
     with InProcessSyncer.for_model(config, make_model()) as hub:
-        model = make_model()
-        link = RecordingLink(hub.connect(), fail_at=3)
-        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        model, link, opt = _learner(hub, config, fail_at=3)
         with pytest.raises(TransportError, match="injected at this send"):
             train(opt, model, "l0", range(1, 9), sleep=0.05)
         failed_at = opt.step_count
@@ -93,9 +101,7 @@ def test_a_failed_send_is_raised_on_the_training_thread() -> None:
 def test_close_sends_what_is_queued_before_leaving() -> None:
     config = _config()
     with InProcessSyncer.for_model(config, make_model()) as hub:
-        model = make_model()
-        link = RecordingLink(hub.connect(), send_delay=0.3)
-        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        model, link, opt = _learner(hub, config, send_delay=0.3)
         t0 = time.monotonic()
         train(opt, model, "l0", range(1, 5))
         queued_for = time.monotonic() - t0
@@ -109,12 +115,9 @@ def test_close_sends_what_is_queued_before_leaving() -> None:
 def test_state_dict_waits_for_queued_sends() -> None:
     """A checkpoint holds the uplink codec's residuals: it is taken after every send
     made before it has run, so a resumed learner continues the same error feedback."""
-    config = RackmendConfig(schedule=ScheduleConfig(sync_every=2, num_fragments=2, overlap=1),
-                            compression=CompressionConfig(uplink="int8"))
+    config = _config(uplink="int8")
     with InProcessSyncer.for_model(config, make_model()) as hub:
-        model = make_model()
-        link = RecordingLink(hub.connect(), send_delay=0.2)
-        opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+        model, link, opt = _learner(hub, config, send_delay=0.2)
         train(opt, model, "l0", range(1, 4))
         state = opt.state_dict()
         assert sum(c[0] == "send" for c in link.calls) == 3
