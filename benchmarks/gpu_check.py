@@ -5,8 +5,8 @@
 2. the codecs on the device (``benchmarks/codecs.py --quick --device cuda``);
 3. the learner-overhead benchmark on the device (``benchmarks/learner_overhead.py``):
    one process, every step synchronised, at torch's default threads and at 4, and timed
-   per block with the host running ahead; and an FSDP2 rack over two GPUs (over one
-   where there is only one).
+   per block with the host running ahead, on the 19 M-parameter GPT and on a 302 M one;
+   and an FSDP2 rack over two GPUs (over one where there is only one).
 
 Each part prints its own table and ``RESULT`` line; this script adds one ``RESULT`` line
 per part with its exit status and wall time, and exits non-zero when any part failed.
@@ -47,6 +47,11 @@ def main() -> int:
         ("learner_overhead_single_block", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
                                            "--threads", "4", "--timing", "block", "--repeats", "12", "--block", "48",
                                            "--out", str(HERE / "results" / "learner_overhead-single-cuda-block.json")]),
+        # A step as long as a real LLM's (302 M parameters): rackmend's fixed host work per
+        # step is measured against a ~10 ms step above, against a longer one here.
+        ("learner_overhead_large", [py, str(HERE / "learner_overhead.py"), "--device", "cuda", "--large",
+                                    "--threads", "4", "--timing", "block", "--repeats", "6", "--block", "24",
+                                    "--out", str(HERE / "results" / "learner_overhead-large-cuda-block.json")]),
     ]
     # An FSDP2 rack: over two GPUs where there are two; else over one (the same DTensor
     # parameters and collectives, NCCL with one rank), so one GPU still measures it.

@@ -61,8 +61,12 @@ def _rank_main(a: Any, endpoint: str) -> dict[str, Any] | None:
     if a.device == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 2) // (a.ranks if sharded else 1)))
-    cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=128) if a.quick else GPTConfig(
-        block_size=128, n_layer=6, n_head=8, n_embd=512)
+    if a.quick:
+        cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=128)
+    elif a.large:
+        cfg = GPTConfig(block_size=512, n_layer=24, n_head=16, n_embd=1024)
+    else:
+        cfg = GPTConfig(block_size=128, n_layer=6, n_head=8, n_embd=512)
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -179,6 +183,9 @@ def main() -> None:
                    help="the syncer's torch threads (default 2: a real syncer has its own machine; here it shares "
                         "the learner's, and at every core it slowed rackmend's host work 2x on a 16-core GPU host); "
                         "0: torch's default, every core")
+    p.add_argument("--large", action="store_true",
+                   help="a 302 M-parameter GPT (24 layers, width 1024, context 512) instead of the 19 M default: "
+                        "a step as long as a real LLM's on a GPU (needs a GPU)")
     p.add_argument("--timing", choices=("step", "block"), default="step",
                    help="step: every step timed, the device synchronised around it (rackmend's host time all "
                         "shows); block: one sample per block, synchronised only at its ends, so the host runs "
@@ -189,6 +196,9 @@ def main() -> None:
     a = p.parse_args()
     a.repeats = a.repeats or (5 if a.quick else 12)
     a.block = a.block or (24 if a.quick else 48)
+    if a.large and (a.quick or a.device != "cuda"):
+        raise SystemExit("--large is for a GPU (--device cuda) and excludes --quick: a 302 M-parameter step "
+                         "takes seconds on a CPU")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
 
