@@ -151,10 +151,10 @@ def _rank_main(a: Any) -> dict[str, Any]:
             rss["first_step"] = steady[0]
     rss["last_step"] = steady[-1]
     rss["max_between_steps"] = max(steady)
+    if not plain:
+        opt.close()  # first: the sends still queued on the send thread count
     sends = 0 if plain else opt.bytes_sent
     applied = 0 if plain else sum(v > 0 for v in opt.versions)
-    if not plain:
-        opt.close()
     if sharded:
         dist.destroy_process_group()
     return {"rank": rank, "world": world, "params": params, "batch": batch, "floor_mb": rss["floor"],

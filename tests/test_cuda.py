@@ -87,8 +87,10 @@ def test_cuda_learners_match_the_reference_on_the_device(apply: str) -> None:
 @pytest.mark.parametrize("apply", ["overwrite", "keep_local"])
 def test_cuda_values_that_arrive_early_apply_from_their_staged_device_copy(apply: str) -> None:
     """A merged value that arrives before t_send + tau is copied to the device on a side
-    stream as it arrives; the apply reads that copy after the stream's event. A copy read
-    before it completed, or freed and reused too early, would miss the reference."""
+    stream as it arrives; the apply reads that copy after the stream's event. Both side
+    streams are held back by a sleep on the device before each copy, so an apply that
+    read the staged copy before it completed, or an inner step that wrote parameters
+    before the snapshot copy had read them, would miss the reference."""
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=2),
         syncer=SyncerConfig(min_quorum=1, learners=("l0",)),
@@ -99,12 +101,28 @@ def test_cuda_values_that_arrive_early_apply_from_their_staged_device_copy(apply
     hub = InProcessSyncer.for_model(config, OnDevice(make_model(), "cpu"))
     model = _cuda_model()
     opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+    copies = opt._cuda
+    assert copies is not None
+    snapshot, to_device = copies.snapshot, copies._to_device
+    delay = 20_000_000  # GPU cycles: milliseconds, longer than a step of this model
+
+    def late_snapshot(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.cuda.stream(copies._copy_stream):
+            torch.cuda._sleep(delay)
+        return snapshot(*args, **kwargs)
+
+    def late_staging(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.cuda.device(copies.device), torch.cuda.stream(copies._stage_stream):
+            torch.cuda._sleep(delay)
+        return to_device(*args, **kwargs)
+
+    copies.snapshot, copies._to_device = late_snapshot, late_staging  # type: ignore[method-assign]
     try:
         train(opt, model, "l0", range(1, steps + 1), sleep=0.05)  # merges come back within a step
     finally:
         opt.close()
         hub.close()
-    assert opt._cuda is not None and opt._cuda.staged_applies >= steps // 4, opt._cuda.staged_applies
+    assert copies.staged_applies >= steps // 4, copies.staged_applies
     ref_models, _ = reference_run(_cuda_model, make_inner, batch, config, ["l0"], steps)
     got = dict(model.named_parameters())
     for name, ref in ref_models["l0"].named_parameters():

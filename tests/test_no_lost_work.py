@@ -107,6 +107,7 @@ def _step(opt: RackmendOptimizer, lid: str, t: int) -> float:
     opt.zero_grad()
     loss.backward()
     opt.step(tokens=tokens)
+    opt.flush()  # the test hands sends to the syncer by hand: this step's must be on the link
     return float(tokens)
 
 
@@ -305,6 +306,8 @@ def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module
     train(opt, model, "l0", range(1, H + 1))  # the send happens at step H, the last one
     if leave:
         opt.close()
+    else:
+        opt.flush()  # the last send has left the send thread; the learner never leaves
     return hub, model, theta0
 
 

@@ -3,7 +3,10 @@
 - **Snapshots.** A due fragment's pieces go to pinned host buffers (reused per
   fragment) on a side stream, queued behind the step's kernels; the training thread
   does not wait for them. ``ready(p)`` hands the copy's event to the send thread
-  (``rackmend.learner.sending``), which waits for it before it reads the buffers.
+  (``rackmend.learner.sending``), which waits for it before it reads the buffers. The
+  parameters must not change before the copy has read them: ``guard_writes`` makes the
+  current stream wait for it (on the device) before the next write (the inner step,
+  an apply), so the copy overlaps the next forward and backward.
 - **At-send copies** (``keep_local``): kept on the device, queued behind the step (no
   host time, and the apply reads them there), at most ``bound`` fragments in flight;
   beyond that (values late, the syncer away) they go to the host, so an outage cannot
@@ -25,6 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Sequence
 
+import logging
+
+import numpy as np
 import torch
 
 from rackmend.core.learner import ApplyValue
@@ -32,6 +38,10 @@ from rackmend.core.messages import Update
 from rackmend.learner.sending import SendThread
 
 __all__ = ["CudaCopies"]
+
+log = logging.getLogger("rackmend.learner")
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32)
 
 _Staged = tuple[list[torch.Tensor], list[torch.Tensor], Any]
 """Pinned host copies, device copies, and the event after the copy to the device."""
@@ -49,6 +59,8 @@ class CudaCopies:
         self._pinned: dict[int, list[torch.Tensor]] = {}
         self._copied: dict[int, Any] = {}
         """Per fragment, the event after its latest snapshot's copy, until ``ready`` takes it."""
+        self._unguarded: list[Any] = []
+        """Events of snapshot copies that the current stream has not been made to wait for."""
         self._stage_stream = torch.cuda.Stream(device=device)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rackmend-stage-{name}")
         self._staged: dict[int, tuple[Update, Future[_Staged]]] = {}
@@ -66,16 +78,16 @@ class CudaCopies:
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
             self._pinned[p] = buffers
-        else:
-            self._sends.wait(p)  # the previous send of p has read its buffers
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for buf, param in zip(buffers, params):
                 buf.copy_(param.detach(), non_blocking=True)
-            done = torch.cuda.Event()
+            # Blocking: the send thread sleeps in its wait instead of spinning a core.
+            done = torch.cuda.Event(blocking=True)
             done.record(stream)
         self._copied[p] = done
+        self._unguarded.append(done)
         if not keep:
             return buffers, None
         if in_flight < self.bound:
@@ -88,6 +100,15 @@ class CudaCopies:
         """The event after fragment p's latest snapshot copy (the send thread waits for it)."""
         return self._copied.pop(p, None)
 
+    def guard_writes(self) -> None:
+        """Make the current stream wait (on the device) for every snapshot copy queued, so
+        that its next writes to the parameters come after the copies have read them."""
+        if self._unguarded:
+            current = torch.cuda.current_stream(self.device)
+            for done in self._unguarded:
+                current.wait_event(done)
+            self._unguarded.clear()
+
     # ------------------------------------------------------------------ merged values
     def stage(self, arrived: Sequence[Update], in_flight: Sequence[int]) -> None:
         """Start copying arrived values of fragments in flight to the device (the newest
@@ -96,12 +117,12 @@ class CudaCopies:
             p = upd.fragment
             if p not in in_flight or (p not in self._staged and len(self._staged) >= self.bound):
                 continue
-            self._drop(p)
+            self.forget(p)
             self._staged[p] = (upd, self._stager.submit(self._to_device, upd))
 
     def _to_device(self, upd: Update) -> _Staged:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stage_stream):
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in upd.tensors]
+            host = [_host_copy(torch.empty(t.shape, dtype=t.dtype, pin_memory=True), t) for t in upd.tensors]
             on_device = [h.to(self.device, non_blocking=True) for h in host]
             done = torch.cuda.Event()
             done.record(self._stage_stream)
@@ -114,7 +135,12 @@ class CudaCopies:
         if staged is None or staged[0] is not action.update:
             self._check(staged)
             return action
-        _, on_device, done = staged[1].result()
+        try:
+            _, on_device, done = staged[1].result()
+        except Exception as exc:  # the plain path still applies the value
+            log.warning("staging merged value %d of fragment %d on %s failed (%s); applied from host memory",
+                        action.update.version, action.fragment, self.device, exc)
+            return action
         self.staged_applies += 1
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
@@ -124,14 +150,24 @@ class CudaCopies:
             t.record_stream(current)
         return replace(action, update=replace(action.update, tensors=tuple(on_device)))
 
-    def _drop(self, p: int) -> None:
+    def forget(self, p: int) -> None:
+        """Drop fragment p's staged value (it will not be applied: a rebase replaced it)."""
         self._check(self._staged.pop(p, None))
 
-    @staticmethod
-    def _check(staged: tuple[Update, Future[_Staged]] | None) -> None:
-        """A staging copy not used: its failure, if it failed, is still raised."""
-        if staged is not None and staged[1].done():
-            staged[1].result()
+    def _check(self, staged: tuple[Update, Future[_Staged]] | None) -> None:
+        """A staging copy not used: its failure, if it failed, is still logged."""
+        if staged is not None and staged[1].done() and staged[1].exception() is not None:
+            log.warning("staging merged value %d of fragment %d on %s failed: %s", staged[0].version,
+                        staged[0].fragment, self.device, staged[1].exception())
 
     def close(self) -> None:
-        self._stager.shutdown(wait=True)
+        self._stager.shutdown(wait=True, cancel_futures=True)
+
+
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` between host tensors; through numpy where it has the dtype, so
+    the copy runs on this thread alone, not on a pool of torch threads of its own."""
+    if src.dtype in _NUMPY_DTYPES and src.dtype == dst.dtype and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+        return dst
+    return dst.copy_(src)

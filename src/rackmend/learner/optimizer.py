@@ -184,11 +184,17 @@ class RackmendOptimizer(torch.optim.Optimizer):
         on the training thread so it holds still between steps (final after ``close``)."""
         self._bytes_out = 0
         """The send thread's running count behind ``bytes_sent``."""
-        self._sends = SendThread(f"{learner_id}-{self.rank}")
-        """Builds contributions and hands them to the link, off the training thread."""
+        self._in_step = False
+        """Inside ``step``: it orders the next inner step after this step's snapshot copies."""
         first = next((t for ts in self._params for t in ts), None)
-        self._cuda = None if first is None or not first.is_cuda else CudaCopies(
-            first.device, self._sends, -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1,
+        device = first.device if first is not None and first.is_cuda else None
+        # The send thread's CUDA calls (waiting for snapshot copies) on this rank's device,
+        # not on device 0, where they would open a context of their own.
+        self._sends = SendThread(f"{learner_id}-{self.rank}",
+                                 None if device is None else lambda: torch.cuda.set_device(device))
+        """Builds contributions and hands them to the link, off the training thread."""
+        self._cuda = None if device is None else CudaCopies(
+            device, self._sends, -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1,
             f"{learner_id}-{self.rank}")
         """A CUDA learner's snapshots, at-send copies and staged merged values; copies in
         device memory bounded by what the schedule keeps in flight, plus one fragment."""
@@ -292,8 +298,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
         (see the class docstring for callers that cannot pass it)."""
         if self._rebased is not None:
             self._check_not_overwritten()
+        if self._cuda is not None:
+            self._cuda.guard_writes()  # the inner step writes what the last snapshots read
         loss = self.inner.step(closure)
-        self.after_inner_step(self._tokens(tokens))
+        self._in_step = True
+        try:
+            self.after_inner_step(self._tokens(tokens))
+        finally:
+            self._in_step = False
         return loss
 
     def _tokens(self, tokens: float | None) -> float:
@@ -357,6 +369,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             raise ValueError(f"this state_dict holds parameters of {len(rs['params'])} fragments, the learner has "
                              f"{len(self.fragments)}; it was saved with another model or schedule.num_fragments")
         rebases = self.core.load_state_dict(rs)
+        if self._cuda is not None:
+            self._cuda.guard_writes()
         with torch.no_grad():
             for params, saved in zip(self._params, rs["params"]):
                 for param, value in zip(params, saved):
@@ -378,6 +392,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "(e.g. model.load_state_dict after it), which undoes the rebase onto the syncer's newer global "
                 "value; restore in this order: model.load_state_dict(...) (optional), build RackmendOptimizer, "
                 "opt.load_state_dict(...), then train")
+
+    def flush(self) -> None:
+        """Block until every contribution made so far has been handed to the link (they
+        are built and sent on rackmend's send thread, off the training thread); raise a
+        send's failure. ``close`` and ``state_dict`` do this themselves."""
+        self._sends.wait()
+        self.bytes_sent = self._bytes_out
 
     def close(self) -> None:
         """Send what is queued, then leave the run (the syncer stops expecting this
@@ -415,12 +436,17 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self._run(core.handle(InnerStepDone(tokens, arrived, moments), now))
         self._run(core.handle(ApplyDue(), self._clock()))
         core.handle(TrainingResumed(), self._clock())
+        if self._cuda is not None and not self._in_step:
+            self._cuda.guard_writes()  # the caller's own inner step comes next
 
     def _run(self, actions: Sequence[LearnerAction]) -> None:
         """Carry out the core's actions in order (answers to them run at once)."""
         for a in actions:
             if isinstance(a, TakeSnapshot):
                 params = self._params[a.fragment]
+                # The previous send of this fragment has read its snapshot (pinned buffers
+                # are reused; host copies stay at one per fragment in memory).
+                self._sends.wait(a.fragment)
                 if self._cuda is not None and params and params[0].is_cuda:
                     pieces, at_send = self._cuda.snapshot(a.fragment, params, a.keep, len(self.core.in_flight()))
                 else:
@@ -432,6 +458,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
             elif isinstance(a, ApplyValue):
                 self._apply(a)
             elif isinstance(a, (SetValue, Rebase)):
+                if self._cuda is not None:
+                    self._cuda.forget(a.fragment)
+                    self._cuda.guard_writes()
                 a.apply_to(self._params[a.fragment])
             elif isinstance(a, WaitForVersion):
                 self._run(self.core.handle(WaitAnswered(a.fragment, self._wait(a)), self._clock()))
@@ -590,7 +619,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """A merged value, with the merge-gain probe around it when one is set."""
         p = action.fragment
         before = float(self.probe_loss()) if self.probe_loss is not None else None
-        (action if self._cuda is None else self._cuda.on_device(action)).apply_to(self._params[p])
+        if self._cuda is None:
+            action.apply_to(self._params[p])
+        else:
+            self._cuda.guard_writes()
+            self._cuda.on_device(action).apply_to(self._params[p])
         if before is not None:
             assert self.probe_loss is not None
             self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))

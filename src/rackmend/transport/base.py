@@ -52,7 +52,9 @@ class LearnerLink(Protocol):
     def send(self, contribution: Contribution) -> None:
         """Queue a contribution for the syncer; returns at once. ``RackmendOptimizer``
         calls it (and ``send_moments``) from its send thread, one call at a time in the
-        order of the sends, never from the training thread (``rackmend.learner.sending``)."""
+        order of the sends, never from the training thread (``rackmend.learner.sending``);
+        its ``close`` runs what is queued before it calls ``leave``. So leave through
+        ``RackmendOptimizer.close``, not by calling the link's ``leave`` yourself."""
         ...
 
     def poll(self) -> list[Update]:

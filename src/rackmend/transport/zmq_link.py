@@ -1,7 +1,8 @@
 """A learner's link to a ``rackmend syncer`` over ZeroMQ (one DEALER per learner rank).
 
-An I/O thread owns the DEALER socket: it sends what the training thread queues (over
-an inproc pipe, without copying tensor bytes), sends heartbeats, answers the syncer's
+An I/O thread owns the DEALER socket: it sends what the learner queues (over an
+inproc pipe, without copying tensor bytes; ``RackmendOptimizer`` queues from its send
+thread, one thread at a time uses the pipe), sends heartbeats, answers the syncer's
 requests (initial values, rejoin after a syncer restart) and checks every update
 against the layout before the training thread sees it. ZeroMQ reconnects on its own,
 so a syncer that goes away and comes back needs nothing from the caller.
@@ -151,9 +152,10 @@ class ZmqLink(QueueLink):
         """Drawn anew by every link, so a learner restarted from a checkpoint (its step
         count resumed) numbers its sends in a session of its own, not as replays."""
         self._seq: dict[int, int] = {}
-        """Per fragment, the last sequence number sent (training thread only)."""
+        """Per fragment, the last sequence number sent (the sending thread only:
+        ``RackmendOptimizer``'s send thread)."""
         self._moment_seq: dict[tuple[int, str], int] = {}
-        """DES-LOC: per (fragment, kind), the last sequence number sent (training thread only)."""
+        """DES-LOC: per (fragment, kind), the last sequence number sent (the sending thread only)."""
         self.fetches_sent = 0
         """``fetch`` requests sent after a lost delta update (retries included)."""
         self._global: dict[int, tuple[int, int, tuple[torch.Tensor, ...]]] = {}
