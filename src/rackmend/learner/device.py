@@ -151,7 +151,7 @@ class CudaCopies:
         return replace(action, update=replace(action.update, tensors=tuple(on_device)))
 
     def forget(self, p: int) -> None:
-        """Drop fragment p's staged value (it will not be applied: a rebase replaced it)."""
+        """Drop fragment p's staged value (a newer one came, or a rebase replaced it)."""
         self._check(self._staged.pop(p, None))
 
     def _check(self, staged: tuple[Update, Future[_Staged]] | None) -> None:
