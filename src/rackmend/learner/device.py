@@ -70,10 +70,14 @@ class CudaCopies:
 
     # ------------------------------------------------------------------ snapshots
     @torch.no_grad()
-    def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool,
-                 in_flight: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool, in_flight: int,
+                 owns: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Fragment p's pieces for ``SnapshotTaken``: (host pieces, at-send copy or None).
-        The host pieces are pinned buffers the copy is still filling (``ready(p)``)."""
+        The host pieces are pinned buffers the copy is still filling (``ready(p)``). A rank
+        that sends nothing of p (``owns`` False) needs only the copy kept for the apply."""
+        if keep and not owns and in_flight < self.bound:
+            kept = [t.detach().clone() for t in params]
+            return kept, kept
         buffers = self._pinned.get(p)
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]

@@ -448,7 +448,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 # are reused; host copies stay at one per fragment in memory).
                 self._sends.wait(a.fragment)
                 if self._cuda is not None and params and params[0].is_cuda:
-                    pieces, at_send = self._cuda.snapshot(a.fragment, params, a.keep, len(self.core.in_flight()))
+                    pieces, at_send = self._cuda.snapshot(a.fragment, params, a.keep, len(self.core.in_flight()),
+                                                          self.core.owns(a.fragment))
                 else:
                     pieces, at_send = [t.detach().to("cpu", copy=True) for t in params], None
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
