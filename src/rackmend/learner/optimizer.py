@@ -421,7 +421,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- the outer loop
     def after_inner_step(self, tokens: float) -> None:
-        """Bookkeeping after one inner step; ``step`` calls it for you."""
+        """Bookkeeping after one inner step; ``step`` calls it for you. A loop that steps
+        the inner optimizer itself calls this after each of its steps (on CUDA it then
+        orders the device's next writes after this step's snapshot copies)."""
         core = self.core
         now = self._clock()
         self._sends.check()
