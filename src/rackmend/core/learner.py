@@ -400,8 +400,9 @@ class ApplyValue:
                 piece.mul_(self.alpha).add_(value, alpha=1 - self.alpha)
             else:
                 assert self.at_send is not None
-                progress = piece - self.at_send[i].to(piece.device, non_blocking=True)
-                piece.copy_(value + progress)
+                # merged + (local - at send), in place: float addition commutes, so these
+                # are the bits of value + progress without two temporaries.
+                piece.sub_(self.at_send[i].to(piece.device, non_blocking=True)).add_(value)
 
 
 @dataclass(frozen=True)
