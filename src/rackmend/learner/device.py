@@ -11,11 +11,12 @@
   host time, and the apply reads them there), at most ``bound`` fragments in flight;
   beyond that (values late, the syncer away) they go to the host, so an outage cannot
   fill the device.
-- **Merged values** (one-process learners): when a value arrives, a staging thread
-  copies it to pinned memory and on to the device on a second side stream; the apply
-  waits for that copy on the device (an event), never on the host. A copy from
-  ordinary (pageable) host memory would first wait for every kernel queued, so the host
-  would lose its lead over the device at every apply.
+- **Merged values**: when a value arrives, a staging thread copies it to pinned memory
+  and on to the device on a second side stream; the apply waits for that copy on the
+  device (an event), never on the host. A copy from ordinary (pageable) host memory
+  would first wait for every kernel queued, so the host would lose its lead over the
+  device at every apply. On a multi-rank learner the pieces a rank received are staged;
+  blocks brought from another rank are not.
 
 What does not live here: when to copy (``rackmend.core.learner``), a CPU learner's
 snapshots (plain host copies), the collectives of multi-rank learners
@@ -37,7 +38,7 @@ from rackmend.core.learner import ApplyValue
 from rackmend.core.messages import Update
 from rackmend.learner.sending import SendThread
 
-__all__ = ["CudaCopies"]
+__all__ = ["CudaCopies", "staged_pieces"]
 
 log = logging.getLogger("rackmend.learner")
 
@@ -133,26 +134,39 @@ class CudaCopies:
         return host, on_device, done
 
     def on_device(self, action: ApplyValue) -> ApplyValue:
-        """``action`` reading its value from the device copy staged for it, ordered on the
-        current stream after that copy; as it is when none was staged."""
-        staged = self._staged.pop(action.fragment, None)
-        if staged is None or staged[0] is not action.update:
-            self._check(staged)
+        """``action`` reading its value from the device copies staged for it, ordered on
+        the current stream after them; as it is where none was staged. A tensor is
+        matched by identity: on a rank of a multi-rank learner the value applied is the
+        one received (its pieces, the very tensors), or one brought from another rank."""
+        p = action.fragment
+        staged = self._staged.get(p)
+        if staged is None:
             return action
+        upd, future = staged
+        hits = staged_pieces(upd.tensors, action.update.tensors)
+        if not any(h is not None for h in hits):
+            if (upd.epoch, upd.version) <= (action.update.epoch, action.update.version):
+                self.forget(p)  # never applied now: a newer or this same value is
+            return action
+        del self._staged[p]
         try:
-            _, on_device, done = staged[1].result()
+            _, on_device, done = future.result()
         except Exception as exc:  # the plain path still applies the value
             log.warning("staging merged value %d of fragment %d on %s failed (%s); applied from host memory",
-                        action.update.version, action.fragment, self.device, exc)
+                        action.update.version, p, self.device, exc)
             return action
         self.staged_applies += 1
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
-        for t in on_device:
-            # Made on the staging stream, read on this one: the allocator must not hand
-            # the memory out again before this stream's reads have run.
-            t.record_stream(current)
-        return replace(action, update=replace(action.update, tensors=tuple(on_device)))
+        tensors = []
+        for t, h in zip(action.update.tensors, hits):
+            if h is not None:
+                t = on_device[h]
+                # Made on the staging stream, read on this one: the allocator must not
+                # hand the memory out again before this stream's reads have run.
+                t.record_stream(current)
+            tensors.append(t)
+        return replace(action, update=replace(action.update, tensors=tuple(tensors)))
 
     def forget(self, p: int) -> None:
         """Drop fragment p's staged value (a newer one came, or a rebase replaced it)."""
@@ -166,6 +180,17 @@ class CudaCopies:
 
     def close(self) -> None:
         self._stager.shutdown(wait=True, cancel_futures=True)
+
+
+def staged_pieces(staged: Sequence[torch.Tensor], applied: Sequence[torch.Tensor]) -> list[int | None]:
+    """For each tensor of a value applied, the index of the very same tensor among those
+    staged, or None (a tensor another rank sent, or of another value)."""
+    index = {id(t): i for i, t in enumerate(staged)}
+    out: list[int | None] = []
+    for t in applied:
+        i = index.get(id(t))
+        out.append(i if i is not None and staged[i] is t else None)
+    return out
 
 
 def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -433,7 +433,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 self.on_fail_slow(report)
         moments = tuple(self.link.poll_moments()) if self._moment_params else ()  # type: ignore[attr-defined]
         arrived = tuple(self.link.poll())
-        if arrived and self._cuda is not None and self.world_size == 1:
+        if arrived and self._cuda is not None:
             self._cuda.stage(arrived, core.in_flight())
         self._run(core.handle(InnerStepDone(tokens, arrived, moments), now))
         self._run(core.handle(ApplyDue(), self._clock()))
