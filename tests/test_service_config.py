@@ -200,7 +200,9 @@ def test_a_choice_option_refuses_other_values_naming_them(option, tmp_path: Path
 def test_a_bad_choice_fails_at_start_with_the_allowed_values() -> None:
     cmd = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
     flag = subprocess.run([*cmd, "--merge", "median"], capture_output=True, text=True, timeout=60)
-    assert flag.returncode == 2 and "--merge" in flag.stderr and "'mean'" in flag.stderr and "'rda'" in flag.stderr
+    assert flag.returncode == 2 and "--merge" in flag.stderr and "mean" in flag.stderr and "rda" in flag.stderr
+    typo = subprocess.run([*cmd, "--weighting", "token"], capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and "did you mean 'tokens'" in typo.stderr, typo.stderr
     env = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RACKMEND_WEIGHTING": "token"})
     assert env.returncode == 2, env.stdout

@@ -241,7 +241,20 @@ def add_syncer_arguments(p: argparse.ArgumentParser) -> None:
                                help=f"the same as {o.flag} false")
         else:
             metavar = "{" + ",".join(o.choices) + "}" if o.choices else o.name.upper()
-            p.add_argument(o.flag, dest=o.name, default=None, choices=o.choices, metavar=metavar, help=text)
+            p.add_argument(o.flag, dest=o.name, default=None, metavar=metavar, help=text,
+                           type=_choice(o.flag, o.choices) if o.choices else None)
+
+
+def _choice(flag: str, allowed: tuple[str, ...]) -> typing.Callable[[str], str]:
+    """An argparse ``type`` for a choice option: its message lists the allowed values and
+    names the closest to a typo, as for environment variables and TOML files."""
+    def parse(value: str) -> str:
+        try:
+            check_choice(flag, value, allowed)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+    return parse
 
 
 def options_markdown() -> str:
