@@ -4,6 +4,7 @@ with empty tensors staying a plain (unsharded) learner."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -109,6 +110,33 @@ def test_incomplete_contributions_are_dropped_with_a_reason() -> None:
     records = asm.expire(14.0, 10.0)
     assert [r["missing"] for r in records] == [[1]] and "incomplete after 10s" in records[0]["reason"]
     assert asm.dropped == 3
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_pieces_of_a_relaunched_rack_replace_those_its_old_processes_left(first: int) -> None:
+    """torchrun relaunched the rack: both ranks come back in new sessions, counting steps
+    from 1 again, while rank 0's piece of step 5 from before waits for a rank 1 that died.
+    Whichever new rank sends first, the old piece is dropped as incomplete (the restart
+    named) and the new ranks' pieces of step 1 assemble."""
+    spec = LAYOUT[0]
+    whole = tuple(torch.randn(t.shape) for t in spec.tensors)
+    ranks = _rows(2)
+    asm, expected = Assembler(LAYOUT), frozenset({0, 1})
+
+    def piece(r: int, step: int, session: int) -> Contribution:
+        return _contrib(r, ranks[r][0], cut(whole, ranks[r][0]), step=step, seq=step, session=session)
+
+    for step in (1, 3):  # the old processes: complete contributions
+        asm.add(piece(0, step, 7), expected, 0.0)
+        assert asm.add(piece(1, step, 8), expected, 0.0)[0] is not None
+    assert asm.add(piece(0, 5, 7), expected, 1.0) == (None, [])  # rank 1 dies before its piece of step 5
+    done, records = asm.add(piece(first, 1, 20 + first), expected, 2.0)
+    assert done is None and [r["event"] for r in records] == ["incomplete"], records
+    assert (records[0]["step"], records[0]["ranks"], records[0]["missing"]) == (5, [0], [1])
+    assert f"rank {first} restarted" in records[0]["reason"]
+    done, records = asm.add(piece(1 - first, 1, 21 - first), expected, 2.5)
+    assert records == [] and done is not None and done.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(done.tensors, whole))
 
 
 def _with_empty_tensors() -> nn.Module:

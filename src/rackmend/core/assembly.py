@@ -5,8 +5,9 @@ contribution of its own (``Contribution.pieces`` set). ``Assembler`` collects th
 (learner, fragment) and returns one whole-fragment ``Contribution``, the only kind the
 syncer core takes, once every rank that owns a piece of the fragment has sent its
 piece for the same inner step. What is left incomplete is dropped, with a record that
-says why: a newer step of the same fragment arrived first, or the bound passed to
-``expire`` elapsed (a rank died or its link stalled).
+says why: a newer step of the same fragment arrived first, a rank restarted (its
+pieces come in a new session, from step 1 again), or the bound passed to ``expire``
+elapsed (a rank died or its link stalled).
 
 The whole contribution's counters: ``base_version``, ``base_epoch`` and ``c_steps``
 must be the same in every piece (the ranks step together; a difference drops the
@@ -79,9 +80,17 @@ class Assembler:
         if c.seq > 0 and last is not None and last[0] == c.session and c.seq <= last[1]:
             return None, [self._record(now, "piece_dropped", c, reason=(
                 f"replay or older send: seq {c.seq} of session {c.session}, seq {last[1]} was taken already"))]
+        # A rank sending in a new session is a new process (torchrun relaunched the rack);
+        # its step count starts again, so pieces of a later step waiting here are from
+        # before the restart and can never complete.
+        restarted = c.seq > 0 and last is not None and last[0] != c.session
         if c.seq > 0:
             self._seq[seq_key] = (c.session, c.seq)
         part = self._partial.get(key)
+        if part is not None and c.step < part.step and restarted:
+            records.append(self._drop(key, now, f"rank {c.rank} restarted (a new session, at step {c.step}); the "
+                                                f"pieces of step {part.step} were sent before it and cannot complete"))
+            part = None
         if part is not None and c.step < part.step:
             return None, [self._record(now, "piece_dropped", c, reason=(
                 f"rank {c.rank}'s piece of step {c.step} arrived after pieces of step {part.step}"))]
