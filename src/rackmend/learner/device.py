@@ -36,7 +36,6 @@ import torch
 
 from rackmend.core.learner import ApplyValue
 from rackmend.core.messages import Update
-from rackmend.learner.sending import SendThread
 
 __all__ = ["CudaCopies", "staged_pieces"]
 
@@ -52,10 +51,9 @@ class CudaCopies:
     """See the module docstring. ``bound``: fragments in flight whose copies may stay in
     device memory (what the schedule keeps in flight, plus one)."""
 
-    def __init__(self, device: torch.device, sends: SendThread, bound: int, name: str) -> None:
+    def __init__(self, device: torch.device, bound: int, name: str) -> None:
         self.device = device
         self.bound = bound
-        self._sends = sends
         self._copy_stream = torch.cuda.Stream(device=device)
         self._pinned: dict[int, list[torch.Tensor]] = {}
         self._copied: dict[int, Any] = {}

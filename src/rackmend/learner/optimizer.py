@@ -194,8 +194,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                                  None if device is None else lambda: torch.cuda.set_device(device))
         """Builds contributions and hands them to the link, off the training thread."""
         self._cuda = None if device is None else CudaCopies(
-            device, self._sends, -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1,
-            f"{learner_id}-{self.rank}")
+            device, -(-sch.overlap * sch.num_fragments // sch.sync_every) + 1, f"{learner_id}-{self.rank}")
         """A CUDA learner's snapshots, at-send copies and staged merged values; copies in
         device memory bounded by what the schedule keeps in flight, plus one fragment."""
         self.on_apply: Callable[[int, Update], None] | None = None

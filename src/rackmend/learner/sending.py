@@ -23,7 +23,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-__all__ = ["SendThread", "SendThreadStopped", "MAX_PENDING"]
+__all__ = ["SendThread", "MAX_PENDING"]
 
 MAX_PENDING = 8
 """Jobs queued before ``submit`` waits for the oldest. A job takes well under a step (the
@@ -31,9 +31,9 @@ link's ``send`` only queues for the link's own I/O thread), so more pending mean
 worker is starved; waiting then keeps snapshots from piling up in memory."""
 
 
-class SendThreadStopped(RuntimeError):
-    """A job was skipped or refused because an earlier one failed (that failure is the
-    ``__cause__``)."""
+class _Skipped(RuntimeError):
+    """A job skipped because an earlier one failed; the training thread is given that
+    earlier failure instead."""
 
 
 class SendThread:
@@ -58,7 +58,7 @@ class SendThread:
 
     def _guarded(self, job: Callable[[], None]) -> None:
         if self._failure is not None:
-            raise SendThreadStopped("skipped: an earlier send failed") from self._failure
+            raise _Skipped("skipped: an earlier send failed") from self._failure
         try:
             job()
         except BaseException as exc:
@@ -68,7 +68,7 @@ class SendThread:
     def _result(self, future: Future[None]) -> None:
         try:
             future.result()
-        except SendThreadStopped:
+        except _Skipped:
             assert self._failure is not None
             self._reported = True
             raise self._failure from None
