@@ -174,7 +174,12 @@ def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Pr
     strangers = [_curve_raw(endpoint, "eve", keys, "eve") for _ in range(12)]  # one refusal each
     try:
         for raw in strangers:
-            raw.sock.send(b"x")
+            # The handshake starts at connect; a message is only a nudge. Never block on it:
+            # a DEALER whose handshake was refused already has no peer to queue for.
+            try:
+                raw.sock.send(b"x", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         wait_for(lambda: sum(1 for e in events(tmp_path) if e["event"] == "auth_denied") >= 2, 30,
                  "the first refusals", (syncer,))
         time.sleep(2.0)
