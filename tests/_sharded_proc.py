@@ -41,12 +41,19 @@ from rackmend.transport.zmq_link import ZmqLink  # noqa: E402
 
 def build(mode: str, model_kind: str) -> torch.nn.Module:
     """The model, sharded as ``mode`` says over all ranks (hsdp: 2 replicas of FSDP over
-    world/2 ranks; tp_fsdp: FSDP over world/2 ranks of TP pairs)."""
+    world/2 ranks; tp_fsdp: FSDP over world/2 ranks of TP pairs). Two that rackmend must
+    refuse: fsdp1 (FSDP1's flat parameters) and unseeded (plain copies that differ)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
+    if mode == "unseeded":  # a user's mistake: each rank initialises its own model, nothing shards it
+        return make_model(seed=dist.get_rank())
     model = make_model() if model_kind == "tiny" else make_llama()
+    if mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     if mode == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
         if model_kind == "llama":
@@ -92,7 +99,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp"), required=True)
+    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp", "fsdp1", "unseeded"), required=True)
     p.add_argument("--model", choices=("tiny", "llama"), default="tiny")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--id", required=True)

@@ -12,7 +12,8 @@ from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.assembly import Assembler
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
-from rackmend.core.pieces import Piece, cover_problem, cut, owner, pieces_problem, whole_pieces
+from rackmend.core.pieces import Piece, cover_problem, cut, differing_copies, owner, pieces_problem, whole_pieces
+from rackmend.learner.pieces import fingerprint
 
 from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_inprocess
 from reference import reference_run
@@ -163,3 +164,41 @@ def test_a_plain_model_with_empty_tensors_stays_plain_and_equals_the_reference(o
     assert sorted({e["fragment"] for e in merges}) == [0, 1] and all(e["merged"] == ids for e in merges)
     ref_models, ref_theta = reference_run(_with_empty_tensors, make_inner, batch, config, ids, steps)
     assert_equal_to_reference(models, hub, ref_models, ref_theta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool])
+def test_fingerprints_of_copies_agree_and_of_other_values_differ(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(64, 33, generator=g) * 50).to(dtype)
+    strided = t.t().contiguous().t()  # the same values laid out in another order in memory
+    assert not strided.is_contiguous()
+    assert int(fingerprint(t)) == int(fingerprint(t.clone())) == int(fingerprint(strided))
+    other = t.clone()
+    other[17, 5] = 1 if dtype == torch.bool and not bool(t[17, 5]) else 0 if dtype == torch.bool else t[17, 5] + 1
+    assert int(fingerprint(other)) != int(fingerprint(t))
+    assert int(fingerprint(t[:0])) == 0  # an empty block: every holder agrees
+
+
+def test_differing_copies_names_parameters_several_ranks_hold_unlike() -> None:
+    """Copies of one block (every rank of a plain rack holds each tensor whole) must be
+    alike; blocks of a sharded tensor differ by nature, and buffers may (DDP with
+    ``broadcast_buffers=False``), so neither is compared."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    layout = pack_fragments(model, 1, 3, buffers=True)
+    specs = layout[0].tensors
+    names = [t.name for t in specs]
+    assert "1.running_mean" in names and specs[names.index("1.running_mean")].is_buffer
+    whole = tuple(Piece(i, (0,) * len(t.shape), t.shape) for i, t in enumerate(specs))
+    rack = [(whole,), (whole,)]
+    alike = [[list(range(len(specs)))], [list(range(len(specs)))]]
+    assert differing_copies(layout, rack, alike) == []
+    unlike = [[list(range(len(specs)))], [[v + 1 for v in range(len(specs))]]]
+    found = differing_copies(layout, rack, unlike)
+    assert [name for name, _ in found] == [t.name for t in specs if not t.is_buffer]
+    assert found[0][1] == {0: 0, 1: 1}
+    # Rank 1 unable to fingerprint a tensor (None) leaves rank 0's alone: nothing to compare.
+    assert differing_copies(layout, rack, [[list(range(len(specs)))], [[None] * len(specs)]]) == []
+    # Sharded: each rank holds its own half of dim 0 of every tensor, so no block has copies.
+    halves = [tuple(Piece(i, (r * t.shape[0] // 2,) + (0,) * (len(t.shape) - 1), (t.shape[0] // 2, *t.shape[1:]))
+                    for i, t in enumerate(specs)) for r in range(2)]
+    assert differing_copies(layout, [(halves[0],), (halves[1],)], unlike) == []

@@ -5,6 +5,7 @@ sharded differently training one model; pieces that cannot be right refused at h
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -268,6 +269,28 @@ def _pid(path: Path) -> tuple[int, int]:
         return int(pid), int(restart)
     except (FileNotFoundError, ValueError):
         return 0, -1
+
+
+@pytest.mark.parametrize("mode,says", [
+    ("fsdp1", r"the model is wrapped in FSDP1 \(FullyShardedDataParallel\)"),
+    ("unseeded", r"\d+ parameters that several ranks of this rack hold as copies of one block differ between those "
+                 r"ranks: emb\.weight \(ranks 0, 1: 2 different values\)"),
+])
+def test_racks_whose_copies_are_not_copies_are_refused_before_they_join(procs: Procs, tmp_path: Path, mode: str,
+                                                                        says: str) -> None:
+    """A rack whose ranks hold plain tensors of one shape but different values would have
+    one rank's value sent for all and the merged value written over the others' (no
+    error anywhere): FSDP1's flat parameters (``use_orig_params=False``: every rank's
+    slice has one shape) and a plain 2-rank rack whose ranks were seeded apart. Both
+    ranks raise at construction, naming what is wrong, and the syncer never hears of
+    the rack."""
+    _, endpoint = procs.syncer("--min-quorum", "1", "--overlap", str(TAU))
+    rack = _rack(procs, endpoint, "l0", 2, mode, ["l0"], tmp_path)
+    assert rack.wait(120) != 0
+    out = procs.output("l0")
+    for r in range(2):
+        assert re.search(rf"\[rank{r}\]: rackmend\.config\.ConfigError: {says}", out), out[-3000:]
+    assert [e["event"] for e in events(tmp_path)] == ["listening"]
 
 
 def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Procs, tmp_path: Path) -> None:

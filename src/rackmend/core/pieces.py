@@ -34,6 +34,7 @@ __all__ = [
     "Holding",
     "owner",
     "holders",
+    "differing_copies",
     "rank_layout",
     "plain_layout",
     "whole_pieces",
@@ -111,6 +112,29 @@ def holders(fragments: Sequence[FragmentSpec], rack: RackBlocks) -> list[list[li
             per_tensor.append([Holding(b, tuple(rs), owner(f.index, rs))
                                for b, rs in sorted(by_block.items(), key=lambda kv: kv[1])])
         out.append(per_tensor)
+    return out
+
+
+def differing_copies(fragments: Sequence[FragmentSpec], rack: RackBlocks,
+                     prints: Sequence[Sequence[Sequence[int | None]]]) -> list[tuple[str, dict[int, int]]]:
+    """The parameters of which ranks holding the same block hold different values:
+    (tensor name, {rank: fingerprint} of those ranks), given every rank's fingerprint
+    of each block it holds (``prints[rank][fragment][tensor]``; None: not compared).
+    rackmend takes such copies to be alike (one owner sends the block for all of them,
+    and the merged value overwrites every copy), which holds for DDP replicas, HSDP's
+    replicate dimension and a TP ``Replicate`` placement; copies that differ are parts
+    of a tensor sharded in a way rackmend cannot see (hand-made tensor parallelism,
+    FSDP1's flat parameters) or replicas not yet made equal. Buffers are left out:
+    DDP with ``broadcast_buffers=False`` keeps them apart on purpose."""
+    out = []
+    for f, per_fragment in zip(fragments, holders(fragments, rack)):
+        for i, per_tensor in enumerate(per_fragment):
+            if f.tensors[i].is_buffer:
+                continue
+            for held in per_tensor:
+                seen = {r: prints[r][f.index][i] for r in held.ranks}
+                if len({v for v in seen.values() if v is not None}) > 1:
+                    out.append((f.tensors[i].name, {r: v for r, v in seen.items() if v is not None}))
     return out
 
 

@@ -69,7 +69,7 @@ from rackmend.core.learner import (
 from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.device import CudaCopies
-from rackmend.learner.pieces import RackPieces
+from rackmend.learner.pieces import RackPieces, refuse_fsdp1
 from rackmend.learner.sending import SendThread
 from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
@@ -160,6 +160,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 "ZmqLink(endpoint) (it reads both from torch.distributed) or pass it the same "
                 "process_group as RackmendOptimizer")
         sch = config.schedule
+        refuse_fsdp1(model)
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
                                                      buffers=sch.sync_buffers)
         self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)

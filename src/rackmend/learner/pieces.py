@@ -21,6 +21,7 @@ hold copies. With one rank everything is whole and owned.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -29,10 +30,10 @@ from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.learner import MAX_OFFER_VALUES, Change, Offer
 from rackmend.core.messages import Update
-from rackmend.core.pieces import Piece, holders, rank_layout
+from rackmend.core.pieces import Piece, differing_copies, holders, rank_layout
 from rackmend.transport.base import TransportError
 
-__all__ = ["RackPieces", "local_block"]
+__all__ = ["RackPieces", "local_block", "fingerprint", "refuse_fsdp1"]
 
 _NONE = -(2**62)
 """Neutral value of a MAX all-reduce (no rank reports anything this small)."""
@@ -67,6 +68,41 @@ def local_block(t: torch.Tensor, index: int) -> tuple[torch.Tensor, Piece | None
         raise ConfigError(f"a DTensor parameter's local shard (placements {tuple(t.placements)}) is not one "
                           "block of the global tensor; rackmend sends blocks only")
     return local, Piece(index, tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+
+
+def refuse_fsdp1(model: torch.nn.Module) -> None:
+    """Raise if ``model`` has a module wrapped in FSDP1 (``FullyShardedDataParallel``): its
+    ranks keep their parameters as slices of flat buffers, plain tensors whose place in
+    the global tensors nothing tells rackmend (with ``use_orig_params=False`` every rank's
+    slice even has the same shape, and would be taken for a copy of one tensor)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be FSDP1
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
+        raise ConfigError(
+            "the model is wrapped in FSDP1 (FullyShardedDataParallel), which keeps each rank's parameters as "
+            "slices of flat buffers that rackmend cannot place in the global tensors; shard it with FSDP2, "
+            "torch.distributed.fsdp.fully_shard, instead (docs/integration.md, 'Sharded models'), or use "
+            "DistributedDataParallel for a replicated rack")
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """An exact summary of ``t``'s bits, a 0-d int64 tensor on its device: the sum
+    (wrapping) of its elements read as integers of their width. Integer addition is
+    associative, so equal copies give equal fingerprints on any rank and device,
+    whatever order the sum runs in. Values that differ almost always give different
+    ones (the same elements in another order would not: a check of copies, not of
+    order). None for an element width with no integer type."""
+    as_int = _INT_OF_WIDTH.get(t.element_size())
+    if as_int is None:
+        return None
+    bits = t.detach().reshape(-1).view(as_int)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for chunk in bits.split(1 << 24):  # the int64 copy the sum casts to stays small
+        total += chunk.sum(dtype=torch.int64)
+    return total
 
 
 def _contiguous(t: Any) -> bool:
@@ -121,8 +157,11 @@ class RackPieces:
         rack = self._gather_blocks(mine) if self.distributed else [mine]
         self.layout = rank_layout(self.fragments, rack, self.rank)
         """This rank's blocks and owned pieces (what the learner core runs on)."""
+        held_by = holders(self.fragments, rack)
+        if any(len(h.ranks) > 1 for per_fragment in held_by for per_tensor in per_fragment for h in per_tensor):
+            self._refuse_differing_copies(rack, held_by)
         groups: dict[tuple[int, ...], Any] = {}
-        for f, per_fragment in zip(self.fragments, holders(self.fragments, rack)):
+        for f, per_fragment in zip(self.fragments, held_by):
             for i, per_tensor in enumerate(per_fragment):
                 for held in per_tensor:
                     if len(held.ranks) < 2:
@@ -192,6 +231,39 @@ class RackPieces:
         return Update(p, meta[0], tuple(tensors), reset=meta[2], epoch=meta[1])
 
     # ------------------------------------------------------------------ helpers
+    def _refuse_differing_copies(self, rack: list[list[list[Piece | None]]], held_by: list[list[list[Any]]]) -> None:
+        """Raise where ranks holding the same block of a parameter hold different values
+        (``differing_copies``): one owner would send its block for all of them and the
+        merged value would overwrite the others', silently. One all-gather of a
+        fingerprint per tensor, once, at construction (before the join makes the copies
+        equal and so hides it); only blocks that several ranks hold are read."""
+        row = torch.zeros((sum(len(ts) for ts in self.local), 2), dtype=torch.int64)  # [present, fingerprint]
+        k = 0
+        for ts, per_fragment in zip(self.local, held_by):
+            for t, per_tensor in zip(ts, per_fragment):
+                shared = any(self.rank in h.ranks and len(h.ranks) > 1 for h in per_tensor)
+                summary = fingerprint(t) if shared else None
+                if summary is not None:
+                    row[k] = torch.stack([torch.ones((), dtype=torch.int64), summary.cpu()])
+                k += 1
+        prints = []
+        for got in self._all_gather(row):
+            flat = iter([int(v) if present else None for present, v in got.tolist()])
+            prints.append([[next(flat) for _ in ts] for ts in self.local])
+        differ = differing_copies(self.fragments, rack, prints)
+        if differ:
+            named = "; ".join(f"{name} (ranks {', '.join(map(str, sorted(seen)))}: "
+                              f"{len(set(seen.values()))} different values)" for name, seen in differ[:3])
+            raise ConfigError(
+                f"{len(differ)} parameters that several ranks of this rack hold as copies of one block differ "
+                f"between those ranks: {named}{' ...' if len(differ) > 3 else ''}. rackmend takes a plain tensor "
+                "(or a DTensor's Replicate placement) of a multi-rank learner to be the same on every rank holding "
+                "it (DDP): one rank would send it for all and the merged value would overwrite the others'. If each "
+                "rank holds a different part of it (hand-made tensor parallelism, FSDP1's flat parameters), shard "
+                "it as a DTensor (FSDP2's fully_shard, parallelize_module); if these are replicas not made equal "
+                "yet (each rank initialised with its own seed), seed every rank alike, or build "
+                "RackmendOptimizer after DistributedDataParallel has broadcast rank 0's parameters")
+
     def _gather_blocks(self, mine: list[list[Piece | None]]) -> list[list[list[Piece | None]]]:
         """Every rank's blocks (``mine`` is this rank's), as int64 tensors (no pickling):
         per tensor, a present flag, then offsets and shape."""
