@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--progress", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--applied-out", type=Path)
+    p.add_argument("--id-per-rank", action="store_true", help="a user's mistake: learner id <id>-<rank>")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     if a.pid_out:  # before the process group: the test may kill this rank at any point after
@@ -133,7 +134,8 @@ def main() -> int:
         learner=LearnerConfig(wait_timeout=a.join_timeout, join_timeout=a.join_timeout),
         deterministic=a.deterministic,
     )
-    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
+    lid = f"{a.id}-{rank}" if a.id_per_rank else a.id
+    opt = RackmendOptimizer(model, make_inner(model), config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=lid)
     applied: list[str] = []
     if a.applied_out:
         opt.on_apply = lambda p, upd: applied.append(f"{opt.step_count} {p} {upd.version}")

@@ -271,21 +271,24 @@ def _pid(path: Path) -> tuple[int, int]:
         return 0, -1
 
 
-@pytest.mark.parametrize("mode,says", [
-    ("fsdp1", r"the model is wrapped in FSDP1 \(FullyShardedDataParallel\)"),
-    ("unseeded", r"\d+ parameters that several ranks of this rack hold as copies of one block differ between those "
-                 r"ranks: emb\.weight \(ranks 0, 1: 2 different values\)"),
-])
-def test_racks_whose_copies_are_not_copies_are_refused_before_they_join(procs: Procs, tmp_path: Path, mode: str,
-                                                                        says: str) -> None:
-    """A rack whose ranks hold plain tensors of one shape but different values would have
-    one rank's value sent for all and the merged value written over the others' (no
-    error anywhere): FSDP1's flat parameters (``use_orig_params=False``: every rank's
-    slice has one shape) and a plain 2-rank rack whose ranks were seeded apart. Both
-    ranks raise at construction, naming what is wrong, and the syncer never hears of
-    the rack."""
+@pytest.mark.parametrize("mode,flags,says", [
+    ("fsdp1", (), r"the model is wrapped in FSDP1 \(FullyShardedDataParallel\)"),
+    ("unseeded", (), r"\d+ parameters that several ranks of this rack hold as copies of one block differ between "
+                     r"those ranks: emb\.weight \(ranks 0, 1: 2 different values\)"),
+    ("fsdp", ("--id-per-rank",), r"the ranks of this rack pass different learner ids \(rank 0 'l0-0', rank 1 'l0-1'\)"),
+], ids=["fsdp1", "copies-differ", "id-per-rank"])
+def test_racks_set_up_wrong_are_refused_before_they_join(procs: Procs, tmp_path: Path, mode: str,
+                                                         flags: tuple[str, ...], says: str) -> None:
+    """Racks that would train wrong or hang, each refused on every rank at construction,
+    by name, before the syncer hears of them. FSDP1's flat parameters
+    (``use_orig_params=False``: every rank's slice has one shape) and a plain rack whose
+    ranks were seeded apart hold plain tensors of one shape but different values: one
+    rank's value would be sent for all and the merged value written over the others'
+    (without the check the seeded-apart rack trains to the end, exit 0). Ranks passing
+    a learner id each would each wait for the rest of their "rack" and time out as if
+    the syncer were unreachable."""
     _, endpoint = procs.syncer("--min-quorum", "1", "--overlap", str(TAU))
-    rack = _rack(procs, endpoint, "l0", 2, mode, ["l0"], tmp_path)
+    rack = _rack(procs, endpoint, "l0", 2, mode, ["l0"], tmp_path, *flags)
     assert rack.wait(120) != 0
     out = procs.output("l0")
     for r in range(2):

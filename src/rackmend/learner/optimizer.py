@@ -165,6 +165,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                                                      buffers=sch.sync_buffers)
         self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)
         """This rank's blocks of each fragment and how copies reach the other ranks."""
+        self._pieces.check_learner_id(learner_id)
         self._params: list[list[torch.Tensor]] = self._pieces.local
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
         DTensor, this rank's local shard (a view: writing it writes the parameter). The

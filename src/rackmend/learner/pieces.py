@@ -35,6 +35,9 @@ from rackmend.transport.base import TransportError
 
 __all__ = ["RackPieces", "local_block", "fingerprint", "refuse_fsdp1"]
 
+_MAX_ID_BYTES = 128
+"""The longest learner id the wire accepts (``rackmend.transport.wire``), in bytes."""
+
 _NONE = -(2**62)
 """Neutral value of a MAX all-reduce (no rank reports anything this small)."""
 
@@ -173,6 +176,25 @@ class RackPieces:
                         self._replicas[f.index][i] = (self._global(held.owner), groups[held.ranks])
 
     # ------------------------------------------------------------------ collectives
+    def check_learner_id(self, learner_id: str) -> None:
+        """Raise on every rank unless every rank of the rack passed this ``learner_id``:
+        ranks that call themselves different learners would each wait at the syncer for
+        the rest of a rack that never comes, and their join would time out as if the
+        syncer were unreachable. One all-gather of the ids' bytes, once. Collective."""
+        if not self.distributed:
+            return
+        raw = learner_id.encode()[:_MAX_ID_BYTES]
+        row = torch.zeros(_MAX_ID_BYTES + 1, dtype=torch.int64)
+        row[0] = len(raw)
+        row[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+        ids = [bytes(got[1:1 + int(got[0])].tolist()).decode(errors="replace") for got in self._all_gather(row)]
+        if len(set(ids)) > 1:
+            shown = ", ".join(f"rank {r} {i!r}" for r, i in enumerate(ids[:8]))
+            raise ConfigError(
+                f"the ranks of this rack pass different learner ids ({shown}{', ...' if len(ids) > 8 else ''}); "
+                "all ranks of one learner pass the same learner_id (or RACKMEND_LEARNER_ID), one per rack, not "
+                "per rank: the syncer assembles a learner's contribution from its ranks")
+
     def gather_offers(self, offers: Sequence[Offer | None]) -> tuple[tuple[Offer | None, ...], ...]:
         """Every rank's offers (``ShareChanges``: this rank's are ``offers``, one per
         fragment, None where it owns nothing of it), indexed [rank][fragment], the same on
