@@ -16,6 +16,7 @@ then sleeps that long before its ``opt.step`` (the others wait for it in the ste
 collective), so its pieces trail the other ranks': killed in that sleep, it leaves the
 others' pieces of the step without its own. ``--applied-out``: each rank writes
 ``<applied-out>.<rank>``, a line ``step fragment version`` per merged value it applied.
+``--mixed``: FSDP2 with bf16 compute (``MixedPrecisionPolicy``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleC
 from rackmend.transport.zmq_link import ZmqLink  # noqa: E402
 
 
-def build(mode: str, model_kind: str) -> torch.nn.Module:
+def build(mode: str, model_kind: str, mixed: bool = False) -> torch.nn.Module:
     """The model, sharded as ``mode`` says over all ranks (hsdp: 2 replicas of FSDP over
     world/2 ranks; tp_fsdp: FSDP over world/2 ranks of TP pairs). Two that rackmend must
     refuse: fsdp1 (FSDP1's flat parameters) and unseeded (plain copies that differ)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
@@ -56,10 +57,14 @@ def build(mode: str, model_kind: str) -> torch.nn.Module:
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     if mode == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
+        # bf16 compute over fp32 sharded parameters, as LLM recipes run FSDP2: rackmend
+        # works on the sharded (fp32) parameters the optimizer steps.
+        policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  } if mixed else {}
         if model_kind == "llama":
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
     elif mode == "tp":
         mesh = init_device_mesh("cpu", (world,))
         parallelize_module(model, mesh, {"blocks.0": ColwiseParallel(), "blocks.1": RowwiseParallel()})
@@ -117,6 +122,7 @@ def main() -> int:
     p.add_argument("--progress", type=Path)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--applied-out", type=Path)
+    p.add_argument("--mixed", action="store_true", help="fsdp: bf16 compute (MixedPrecisionPolicy)")
     p.add_argument("--id-per-rank", action="store_true", help="a user's mistake: learner id <id>-<rank>")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -126,7 +132,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(a.mode, a.model)
+    model = build(a.mode, a.model, a.mixed)
     ids = tuple(x for x in a.learners.split(",") if x)
     config = RackmendConfig(
         schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau),

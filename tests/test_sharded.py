@@ -194,20 +194,22 @@ def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_pa
 
 def test_llama_under_fsdp2_trains_through_rackmend(procs: Procs, tmp_path: Path) -> None:
     """A Hugging Face Llama from a small config (random init, nothing downloaded), FSDP2
-    over 2 ranks per layer and at the root, async: merges happen and its held-out loss
-    falls clearly."""
+    over 2 ranks per layer and at the root with bf16 compute over fp32 shards
+    (``MixedPrecisionPolicy``, as LLM recipes run it), async: merges happen and its
+    held-out loss falls clearly."""
     pytest.importorskip("transformers")
     steps = 30
     _, endpoint = procs.syncer("--overlap", str(TAU))
     proc = procs.start([*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--model", "llama",
                         "--endpoint", endpoint, "--id", "l0", "--steps", str(steps), "--H", str(H), "--P", "4",
-                        "--tau", str(TAU), "--loss-out", str(tmp_path / "loss")], "l0")
+                        "--tau", str(TAU), "--mixed", "--loss-out", str(tmp_path / "loss")], "l0")
     finish(proc, procs, "l0", timeout=300)
     merges = [e for e in events(tmp_path) if e["event"] == "merge"]
     assert sorted({e["fragment"] for e in merges}) == list(range(4)), "some fragments never merged"
     assert not [e for e in events(tmp_path) if e["event"] in ("incomplete", "piece_dropped", "reject")]
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
+    assert all(float(torch.tensor(v).bfloat16()) == v for v in (first, last)), "the forward did not run in bf16"
 
 
 # ---------------------------------------------------------------- pieces refused at hello
