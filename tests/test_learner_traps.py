@@ -349,3 +349,84 @@ def test_hooks_schedulers_and_state_dict_hooks_work() -> None:
         with pytest.raises(NotImplementedError, match="inner optimizer before"):
             opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
         opt.close()
+
+
+# ---------------------------------------------------------------- 7. the model changed after building
+class _WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.norm, self.down = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(self.up(x))).pow(2).mean()
+
+
+def _changed(change: str, model: nn.Module) -> None:
+    if change == "cast":  # model.half(), or model.cuda() on a GPU: every parameter's .data is swapped
+        model.double()
+    elif change == "assigned":  # the same dtype, shape and device, but another tensor
+        model.up.weight = nn.Parameter(model.up.weight.detach().clone())
+    elif change == "buffer":  # a module that assigns a buffer anew instead of updating it in place
+        model.norm.running_mean = model.norm.running_mean.clone()
+
+
+@pytest.mark.parametrize("change,says", [
+    ("cast", r"parameter up\.weight is not the tensor RackmendOptimizer was built on \(dtype torch\.float32 -> "
+             r"torch\.float64\)"),
+    ("assigned", r"parameter up\.weight is not the tensor .* \(its memory \(a tensor assigned anew\)\)"),
+    ("buffer", r"buffer norm\.running_mean is not the tensor .*sync_buffers=False"),
+])
+@pytest.mark.parametrize("caller", ["step", "after_inner_step"])
+def test_a_model_changed_after_the_optimizer_was_built_is_refused_at_the_first_step(change: str, says: str,
+                                                                                   caller: str) -> None:
+    """rackmend works on the tensors the model held when it was built; a model cast,
+    moved, sharded or given new tensors afterwards would train on tensors rackmend
+    never reads or writes (before: a model cast to float64 after building trained on
+    with its merges landing in the old float32 tensors, no error). The first step
+    raises, whether ``step`` or the caller's own loop (``after_inner_step``) runs it."""
+    config = _config(P=1, M=1)
+    with InProcessSyncer.for_model(config, _WithNorm()) as hub:
+        model = _WithNorm()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id="l0")
+        _changed(change, model)
+        x = torch.randn(8, 4, dtype=next(model.parameters()).dtype)
+        model(x).backward()
+        with pytest.raises(ConfigError, match=says):
+            if caller == "step":
+                opt.step(tokens=8)
+            else:
+                inner.step()
+                opt.after_inner_step(8)
+        opt.close()
+
+
+def test_an_inner_optimizer_of_other_tensors_is_refused_and_tensors_outside_the_model_are_named(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An inner optimizer built before the model's parameters were replaced (e.g. before
+    fully_shard) steps none of them: refused. One that also steps tensors outside the
+    model given to rackmend trains them on this learner alone: a warning says so."""
+    config = _config(P=1, M=1)
+    with InProcessSyncer.for_model(config, _WithNorm()) as hub:
+        model = _WithNorm()
+        stale = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-2)
+        opt = RackmendOptimizer(model, stale, config, hub.connect(), learner_id="l0")
+        model(torch.randn(8, 4)).backward()
+        with pytest.raises(ConfigError, match="the inner optimizer steps none of the model's parameters"):
+            opt.step(tokens=8)
+        opt.close()
+    with InProcessSyncer.for_model(config, _WithNorm()) as hub:
+        model = _WithNorm()
+        head = nn.Linear(1, 3)
+        inner = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=1e-2)
+        opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id="l0")
+        caplog.set_level(logging.WARNING, logger="rackmend.learner")
+        for _ in range(3):
+            (model(torch.randn(8, 4)) + head(torch.ones(1)).sum()).backward()
+            opt.step(tokens=8)
+            opt.zero_grad()
+        warned = [r.getMessage() for r in caplog.records if "not parameters of the model" in r.getMessage()]
+        assert len(warned) == 1 and "steps 2 tensors" in warned[0] and "[[3, 1], [3]]" in warned[0], warned
+        assert opt.step_count == 3
+        opt.close()

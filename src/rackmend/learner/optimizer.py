@@ -188,6 +188,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """The send thread's running count behind ``bytes_sent``."""
         self._in_step = False
         """Inside ``step``: it orders the next inner step after this step's snapshot copies."""
+        self._model_checked = False
+        """The first step has checked that the model still holds the tensors rackmend works on."""
         first = next((t for ts in self._params for t in ts), None)
         device = first.device if first is not None and first.is_cuda else None
         # The send thread's CUDA calls (waiting for snapshot copies) on this rank's device,
@@ -299,6 +301,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         (see the class docstring for callers that cannot pass it)."""
         if self._rebased is not None:
             self._check_not_overwritten()
+        if not self._model_checked:
+            self._check_model()
         if self._cuda is not None:
             self._cuda.guard_writes()  # the inner step writes what the last snapshots read
         loss = self.inner.step(closure)
@@ -384,6 +388,49 @@ class RackmendOptimizer(torch.optim.Optimizer):
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
 
+    def _check_model(self) -> None:
+        """At the first step: raise if the model no longer holds the tensors this optimizer
+        was built on, or if the inner optimizer steps none of them; warn if it steps
+        parameters the model does not have. Each would leave rackmend reading and writing
+        tensors the training does not use, with no error anywhere."""
+        self._model_checked = True
+        current = fragment_tensors(self.model, self.fragments)
+        with torch.no_grad():
+            for spec, built, now in zip(self.fragments, self._params, current):
+                for t, held, tensor in zip(spec.tensors, built, now):
+                    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+                    changed = [f"{what} {a} -> {b}" for what, a, b in (
+                        ("device", held.device, local.device), ("dtype", held.dtype, local.dtype),
+                        ("shape", list(held.shape), list(local.shape))) if a != b]
+                    if not changed and local.data_ptr() != held.data_ptr():
+                        changed = ["its memory (a tensor assigned anew)"]
+                    if changed:
+                        kind = "buffer" if t.is_buffer else "parameter"
+                        raise ConfigError(
+                            f"the model's {kind} {t.name} is not the tensor RackmendOptimizer was built on "
+                            f"({', '.join(changed)}): the model changed after the optimizer was built (model.to(), "
+                            ".half(), fully_shard, parallelize_module, a tensor assigned anew), so rackmend would "
+                            "read and write tensors the training no longer uses. Move, cast and shard the model "
+                            "first, then build the inner optimizer and RackmendOptimizer"
+                            + (" (a module that assigns this buffer anew at each forward, instead of updating it in "
+                               "place, cannot have it synchronised: ScheduleConfig(sync_buffers=False) keeps "
+                               "buffers local)" if t.is_buffer else ""))
+        stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
+        synced = [tensor for spec, ts in zip(self.fragments, current) for t, tensor in zip(spec.tensors, ts)
+                  if not t.is_buffer]
+        if synced and not any(id(p) in stepped for p in synced):
+            raise ConfigError(
+                "the inner optimizer steps none of the model's parameters (it was built on other tensors, e.g. "
+                "before fully_shard or parallelize_module replaced them): build it from model.parameters() after "
+                "sharding the model, then RackmendOptimizer")
+        mine = {id(p) for p in self.model.parameters()}
+        foreign = [p for group in self.inner.param_groups for p in group["params"] if id(p) not in mine]
+        if foreign:
+            log.warning("learner %s: the inner optimizer steps %d tensors that are not parameters of the model given "
+                        "to RackmendOptimizer (shapes %s%s); rackmend never synchronises them, so they train on this "
+                        "learner alone. Pass the whole model if they should be merged", self.learner_id,
+                        len(foreign), [list(p.shape) for p in foreign[:4]], " ..." if len(foreign) > 4 else "")
+
     def _check_not_overwritten(self) -> None:
         changed = [t for t, v in self._rebased or () if t._version != v]
         self._rebased = None
@@ -425,6 +472,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bookkeeping after one inner step; ``step`` calls it for you. A loop that steps
         the inner optimizer itself calls this after each of its steps (on CUDA it then
         orders the device's next writes after this step's snapshot copies)."""
+        if not self._model_checked:
+            self._check_model()
         core = self.core
         now = self._clock()
         self._sends.check()
