@@ -5,16 +5,19 @@
 2. the codecs on the device (``benchmarks/codecs.py --quick --device cuda``);
 3. the learner-overhead benchmark on the device (``benchmarks/learner_overhead.py``):
    one process, every step synchronised, at torch's default threads and at 4, and timed
-   per block with the host running ahead, on the 19 M-parameter GPT and on a 302 M one;
-   and an FSDP2 rack over two GPUs (over one where there is only one).
+   per block with the host running ahead, on the 19 M-parameter GPT; an FSDP2 rack over
+   two GPUs (over one where there is only one); and last, the 302 M-parameter GPT.
 
 Each part prints its own table and ``RESULT`` line; this script adds one ``RESULT`` line
-per part with its exit status and wall time, and exits non-zero when any part failed.
+per part with its exit status (``timeout``: killed after ``PART_TIMEOUT_S``) and wall
+time, and exits non-zero when any part failed.
 CI has no GPU and never runs it; record the numbers in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,11 +50,6 @@ def main() -> int:
         ("learner_overhead_single_block", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
                                            "--threads", "4", "--timing", "block", "--repeats", "12", "--block", "48",
                                            "--out", str(HERE / "results" / "learner_overhead-single-cuda-block.json")]),
-        # A step as long as a real LLM's (302 M parameters): rackmend's fixed host work per
-        # step is measured against a ~10 ms step above, against a longer one here.
-        ("learner_overhead_large", [py, str(HERE / "learner_overhead.py"), "--device", "cuda", "--large",
-                                    "--threads", "4", "--timing", "block", "--repeats", "6", "--block", "24",
-                                    "--out", str(HERE / "results" / "learner_overhead-large-cuda-block.json")]),
     ]
     # An FSDP2 rack: over two GPUs where there are two; else over one (the same DTensor
     # parameters and collectives, NCCL with one rank), so one GPU still measures it.
@@ -59,14 +57,38 @@ def main() -> int:
     parts.append((f"learner_overhead_fsdp{ranks}", [py, str(HERE / "learner_overhead.py"), "--device", "cuda",
                                                    "--rack", "fsdp", "--ranks", ranks, "--threads", "4", "--out",
                                                    str(HERE / "results" / f"learner_overhead-fsdp{ranks}-cuda.json")]))
+    # Last, the longest: a step as long as a real LLM's (302 M parameters); rackmend's
+    # fixed host work per step is measured against a ~10 ms step above, a longer one here.
+    parts.append(("learner_overhead_large", [py, str(HERE / "learner_overhead.py"), "--device", "cuda", "--large",
+                                             "--threads", "4", "--timing", "block", "--repeats", "6", "--block", "24",
+                                             "--out", str(HERE / "results" / "learner_overhead-large-cuda-block.json")]))
     failed = 0
     for name, cmd in parts:
         print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.monotonic()
-        rc = subprocess.run(cmd).returncode
+        rc = _run(cmd, PART_TIMEOUT_S)
         failed += rc != 0
-        print(f"RESULT part={name} rc={rc} wall_s={time.monotonic() - t0:.1f}", flush=True)
+        print(f"RESULT part={name} rc={rc if rc is not None else 'timeout'} wall_s={time.monotonic() - t0:.1f}",
+              flush=True)
     return 1 if failed else 0
+
+
+PART_TIMEOUT_S = 180.0
+"""A part still running after this long is killed (with what it started), so one that
+hangs cannot take the device time the parts after it need; each took under a minute
+on an H200 (benchmarks/results/gpu-check.log)."""
+
+
+def _run(cmd: list[str], timeout: float) -> int | None:
+    """``cmd``'s exit status, or None when it ran past ``timeout`` and was killed. In a
+    session of its own, so a torchrun part's ranks go with it."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
 
 
 if __name__ == "__main__":
