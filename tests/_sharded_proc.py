@@ -16,7 +16,10 @@ then sleeps that long before its ``opt.step`` (the others wait for it in the ste
 collective), so its pieces trail the other ranks': killed in that sleep, it leaves the
 others' pieces of the step without its own. ``--applied-out``: each rank writes
 ``<applied-out>.<rank>``, a line ``step fragment version`` per merged value it applied.
-``--mixed``: FSDP2 with bf16 compute (``MixedPrecisionPolicy``).
+``--mixed``: FSDP2 with bf16 compute (``MixedPrecisionPolicy``). ``--checkpoint DIR
+--checkpoint-at T``: after step T, the model and inner optimizer through
+torch.distributed.checkpoint and rackmend's part per rank; ``--resume DIR``: restore them
+(writing what the test checks), then train from ``--first-step``.
 """
 
 from __future__ import annotations
@@ -97,6 +100,52 @@ def make_llama() -> torch.nn.Module:
     return Llama(config)
 
 
+def _dcp_state(model: torch.nn.Module, opt: RackmendOptimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt.inner)}
+
+
+def checkpoint(model: torch.nn.Module, opt: RackmendOptimizer, where: Path, rank: int) -> None:
+    """docs/integration.md's recipe: the model and the inner optimizer through
+    torch.distributed.checkpoint, rackmend's part per rank beside them."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(model, opt), checkpoint_id=str(where))
+    torch.save(opt.state_dict()["rackmend"], where / f"rackmend-{rank}.pt")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def resume(model: torch.nn.Module, opt: RackmendOptimizer, where: Path, rank: int) -> None:
+    """Restore ``checkpoint``'s files in the documented order (the model and inner
+    optimizer, then rackmend's part); write ``<where>/resumed-<rank>.safetensors`` for
+    the test: per fragment p and tensor i this rank's block as the distributed checkpoint
+    restored it (``dcp``), after the rebase (``after``), and rackmend's saved parameters
+    (``ckpt``), held values then (``then``) and now (``now``); the versions then and now."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from rackmend.core.fragments import fragment_tensors
+
+    state = _dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=str(where))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt.inner, state["optim"])
+    restored = [[_local(t) for t in ts] for ts in fragment_tensors(model, opt.fragments)]
+    saved = torch.load(where / f"rackmend-{rank}.pt")  # this test's own file, not network bytes
+    opt.load_state_dict({"rackmend": saved})
+    out = {"versions/then": torch.tensor(saved["versions"]), "versions/now": torch.tensor(opt.versions)}
+    for p, ts in enumerate(fragment_tensors(model, opt.fragments)):
+        for i, t in enumerate(ts):
+            out.update({f"dcp/{p}/{i}": restored[p][i], f"after/{p}/{i}": _local(t),
+                        f"ckpt/{p}/{i}": saved["params"][p][i], f"then/{p}/{i}": saved["held"][p][i],
+                        f"now/{p}/{i}": opt.held[p][i].clone()})
+    save_file({k: v.contiguous() for k, v in out.items()}, str(where / f"resumed-{rank}.safetensors"))
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a DTensor's is gathered: for the test's comparison only)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -124,6 +173,10 @@ def main() -> int:
     p.add_argument("--applied-out", type=Path)
     p.add_argument("--mixed", action="store_true", help="fsdp: bf16 compute (MixedPrecisionPolicy)")
     p.add_argument("--id-per-rank", action="store_true", help="a user's mistake: learner id <id>-<rank>")
+    p.add_argument("--checkpoint", type=Path, help="torch.distributed.checkpoint directory (with --checkpoint-at)")
+    p.add_argument("--checkpoint-at", type=int, default=0)
+    p.add_argument("--resume", type=Path, help="restore from a --checkpoint directory, then train from --first-step")
+    p.add_argument("--first-step", type=int, default=1)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     if a.pid_out:  # before the process group: the test may kill this rank at any point after
@@ -151,9 +204,11 @@ def main() -> int:
         with torch.no_grad():
             return float(model(probe[0], probe[1]))
 
+    if a.resume:
+        resume(model, opt, a.resume, rank)
     first = held_out_loss()
     try:
-        for t in range(1, a.steps + 1):
+        for t in range(a.first_step, a.steps + 1):
             x, y, tokens = batch(a.id, t)
             loss = model(x, y)
             opt.zero_grad()
@@ -163,6 +218,8 @@ def main() -> int:
             if a.step_sleep and rank == world - 1:
                 time.sleep(a.step_sleep)
             opt.step(tokens=tokens // world)  # this rank's share: the learner counts tokens x world size
+            if a.checkpoint and t == a.checkpoint_at:
+                checkpoint(model, opt, a.checkpoint, rank)
     finally:
         opt.close()
     last = held_out_loss()

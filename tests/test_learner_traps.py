@@ -274,6 +274,28 @@ def test_loading_the_model_after_the_optimizer_state_raises_at_the_next_step() -
         opt.step(tokens=tokens)
 
 
+def test_a_plain_optimizer_state_is_refused_with_the_recipe_and_rackmends_part_alone_loads() -> None:
+    """A plain optimizer's state_dict (what torch.distributed.checkpoint's
+    get_optimizer_state_dict gives) is refused with the documented recipe, not a
+    KeyError; rackmend's part alone restores the learner and leaves the inner optimizer
+    as it was (restored elsewhere)."""
+    model, weights, saved, opt = _resume("model_first")
+    with pytest.raises(ValueError, match="pass opt.inner to torch.distributed.checkpoint"):
+        opt.load_state_dict(opt.inner.state_dict())
+    inner_before = copy.deepcopy(opt.inner.state_dict())
+    opt.load_state_dict({"rackmend": saved["rackmend"]})
+    after = opt.inner.state_dict()
+    assert all(torch.equal(a, b) for s1, s2 in zip(inner_before["state"].values(), after["state"].values())
+               for a, b in zip(s1.values(), s2.values()))
+    held_then = saved["rackmend"]["held"]
+    for p, spec in enumerate(opt.fragments):
+        for i, name in enumerate(spec.names):
+            expected = weights[name].clone()
+            expected.add_(opt.held[p][i] - held_then[p][i])
+            assert torch.equal(dict(model.named_parameters())[name], expected), name
+    opt.close()
+
+
 # ---------------------------------------------------------------- 5. wrapper prefixes
 def test_ddp_compiled_and_plain_racks_train_one_model(tmp_path: Path) -> None:
     """Three racks of one model, wrapped three ways, join one syncer and the deterministic

@@ -212,6 +212,41 @@ def test_llama_under_fsdp2_trains_through_rackmend(procs: Procs, tmp_path: Path)
     assert all(float(torch.tensor(v).bfloat16()) == v for v in (first, last)), "the forward did not run in bf16"
 
 
+def test_fsdp_rack_resumes_from_a_distributed_checkpoint_onto_the_newer_global_value(procs: Procs,
+                                                                                      tmp_path: Path) -> None:
+    """docs/integration.md's recipe for a sharded rack: the model and the inner optimizer
+    through torch.distributed.checkpoint, rackmend's part per rank beside them. An FSDP2
+    rack checkpoints mid-period at step 5 and trains on to 12 (the syncer merges on); a
+    relaunched rack restores, and on every rank its blocks are the checkpoint's local
+    progress rebased onto the newer global value, bit for bit:
+    theta = theta_ckpt + (Theta_now - Theta_ckpt); then it trains on."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _, endpoint = procs.syncer("--overlap", str(TAU))
+    common = [*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--endpoint", endpoint, "--id", "l0",
+              "--H", str(H), "--P", str(P), "--tau", str(TAU)]
+    first = procs.start([*common, "--steps", "12", "--checkpoint", str(ck), "--checkpoint-at", "5"], "first")
+    finish(first, procs, "first", timeout=240)
+    again = procs.start([*common, "--steps", "9", "--resume", str(ck), "--first-step", "6"], "again")
+    finish(again, procs, "again", timeout=240)
+    for rank in range(2):
+        got = load_file(str(ck / f"resumed-{rank}.safetensors"))
+        then, now = got["versions/then"].tolist(), got["versions/now"].tolist()
+        assert all(n > t for t, n in zip(then, now)), f"rank {rank}: the syncer did not move on ({then} -> {now})"
+        blocks = sorted({k.split("/", 1)[1] for k in got if k.startswith("after/")})
+        assert blocks, "no blocks written"
+        for b in blocks:
+            assert torch.equal(got[f"dcp/{b}"], got[f"ckpt/{b}"]), f"rank {rank} {b}: the checkpoint's model block"
+            expected = got[f"ckpt/{b}"].clone()
+            expected.add_(got[f"now/{b}"] - got[f"then/{b}"])
+            assert torch.equal(got[f"after/{b}"], expected), f"rank {rank} {b}: not rebased onto the newer value"
+        assert any(not torch.equal(got[f"after/{b}"], got[f"ckpt/{b}"]) for b in blocks)
+    log = events(tmp_path)
+    first_leave = min(e["t"] for e in log if e["event"] == "leave")
+    assert [e for e in log if e["event"] == "merge" and "l0" in e["merged"] and e["t"] > first_leave], \
+        "the resumed rack merged nothing"
+
+
 # ---------------------------------------------------------------- pieces refused at hello
 def _hello(lid: str, rank: int, world: int, pieces: object) -> list:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU))

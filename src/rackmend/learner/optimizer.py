@@ -359,13 +359,25 @@ class RackmendOptimizer(torch.optim.Optimizer):
         holds, the local progress since the checkpoint's value is rebased onto the
         newer one instead of being lost. Loading the model's own checkpoint *after*
         this call would undo that rebase; the next ``step`` then raises
-        ``ResumeOrderError``."""
+        ``ResumeOrderError``.
+
+        Without an ``"inner"`` entry only rackmend's part is restored: the inner
+        optimizer's state was restored elsewhere, e.g. by torch.distributed.checkpoint
+        (docs/integration.md, "Checkpoint and resume of a learner")."""
         for pre in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre(self, state_dict)
             if result is not None:
                 state_dict = result
+        if "rackmend" not in state_dict:
+            raise ValueError(
+                f"this state_dict has no 'rackmend' entry (it has {sorted(state_dict)[:4]}): "
+                + ("it is a plain optimizer's, as torch.distributed.checkpoint's get_optimizer_state_dict gives; "
+                   "pass opt.inner to torch.distributed.checkpoint and save opt.state_dict()['rackmend'] on each "
+                   "rank beside it (docs/integration.md, 'Checkpoint and resume of a learner')"
+                   if "state" in state_dict else "load what RackmendOptimizer.state_dict() returned"))
         self._sends.wait()  # no send may read the uplink's residuals while they are replaced
-        self.inner.load_state_dict(state_dict["inner"])
+        if "inner" in state_dict:
+            self.inner.load_state_dict(state_dict["inner"])
         rs = state_dict["rackmend"]
         if "params" not in rs:
             raise ValueError("this state_dict predates rackmend's parameter snapshot ('params'); "
