@@ -46,13 +46,16 @@ from rackmend.transport.zmq_link import ZmqLink  # noqa: E402
 def build(mode: str, model_kind: str, mixed: bool = False) -> torch.nn.Module:
     """The model, sharded as ``mode`` says over all ranks (hsdp: 2 replicas of FSDP over
     world/2 ranks; tp_fsdp: FSDP over world/2 ranks of TP pairs). Two that rackmend must
-    refuse: fsdp1 (FSDP1's flat parameters) and unseeded (plain copies that differ)."""
+    refuse: fsdp1 (FSDP1's flat parameters), unseeded (plain copies that differ) and
+    stages (ranks holding different layers)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
     if mode == "unseeded":  # a user's mistake: each rank initialises its own model, nothing shards it
         return make_model(seed=dist.get_rank())
+    if mode == "stages":  # pipeline parallelism: the last rank holds only later layers
+        return make_model().blocks if dist.get_rank() == world - 1 else make_model()
     model = make_model() if model_kind == "tiny" else make_llama()
     if mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -153,7 +156,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp", "fsdp1", "unseeded"), required=True)
+    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp", "fsdp1", "unseeded", "stages"), required=True)
     p.add_argument("--model", choices=("tiny", "llama"), default="tiny")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--id", required=True)

@@ -13,7 +13,7 @@ from rackmend.core.assembly import Assembler
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece, cover_problem, cut, differing_copies, owner, pieces_problem, whole_pieces
-from rackmend.learner.pieces import fingerprint
+from rackmend.learner.pieces import bit_sum
 
 from helpers import assert_equal_to_reference, batch, make_inner, make_model, run_inprocess
 from reference import reference_run
@@ -167,16 +167,16 @@ def test_a_plain_model_with_empty_tensors_stays_plain_and_equals_the_reference(o
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool])
-def test_fingerprints_of_copies_agree_and_of_other_values_differ(dtype: torch.dtype) -> None:
+def test_bit_sums_of_copies_agree_and_of_other_values_differ(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(64, 33, generator=g) * 50).to(dtype)
     strided = t.t().contiguous().t()  # the same values laid out in another order in memory
     assert not strided.is_contiguous()
-    assert int(fingerprint(t)) == int(fingerprint(t.clone())) == int(fingerprint(strided))
+    assert int(bit_sum(t)) == int(bit_sum(t.clone())) == int(bit_sum(strided))
     other = t.clone()
     other[17, 5] = 1 if dtype == torch.bool and not bool(t[17, 5]) else 0 if dtype == torch.bool else t[17, 5] + 1
-    assert int(fingerprint(other)) != int(fingerprint(t))
-    assert int(fingerprint(t[:0])) == 0  # an empty block: every holder agrees
+    assert int(bit_sum(other)) != int(bit_sum(t))
+    assert int(bit_sum(t[:0])) == 0  # an empty block: every holder agrees
 
 
 def test_differing_copies_names_parameters_several_ranks_hold_unlike() -> None:

@@ -313,7 +313,9 @@ def _pid(path: Path) -> tuple[int, int]:
     ("unseeded", (), r"\d+ parameters that several ranks of this rack hold as copies of one block differ between "
                      r"those ranks: emb\.weight \(ranks 0, 1: 2 different values\)"),
     ("fsdp", ("--id-per-rank",), r"the ranks of this rack pass different learner ids \(rank 0 'l0-0', rank 1 'l0-1'\)"),
-], ids=["fsdp1", "copies-differ", "id-per-rank"])
+    ("stages", (), r"the ranks of this rack have different models or fragment layouts \(rank 0: 9 tensors, layout "
+                   r"[0-9a-f]{16}, rank 1: 4 tensors, .*pipeline parallelism"),
+], ids=["fsdp1", "copies-differ", "id-per-rank", "pipeline-stages"])
 def test_racks_set_up_wrong_are_refused_before_they_join(procs: Procs, tmp_path: Path, mode: str,
                                                          flags: tuple[str, ...], says: str) -> None:
     """Racks that would train wrong or hang, each refused on every rank at construction,
@@ -323,7 +325,8 @@ def test_racks_set_up_wrong_are_refused_before_they_join(procs: Procs, tmp_path:
     rank's value would be sent for all and the merged value written over the others'
     (without the check the seeded-apart rack trains to the end, exit 0). Ranks passing
     a learner id each would each wait for the rest of their "rack" and time out as if
-    the syncer were unreachable."""
+    the syncer were unreachable; ranks holding different layers (pipeline stages) failed
+    in a collective with gloo's size mismatch."""
     _, endpoint = procs.syncer("--min-quorum", "1", "--overlap", str(TAU))
     rack = _rack(procs, endpoint, "l0", 2, mode, ["l0"], tmp_path, *flags)
     assert rack.wait(120) != 0

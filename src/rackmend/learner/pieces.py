@@ -27,13 +27,13 @@ from typing import Any, Sequence
 import torch
 
 from rackmend.config import ConfigError
-from rackmend.core.fragments import FragmentSpec
+from rackmend.core.fragments import FragmentSpec, fingerprint
 from rackmend.core.learner import MAX_OFFER_VALUES, Change, Offer
 from rackmend.core.messages import Update
 from rackmend.core.pieces import Piece, differing_copies, holders, rank_layout
 from rackmend.transport.base import TransportError
 
-__all__ = ["RackPieces", "local_block", "fingerprint", "refuse_fsdp1"]
+__all__ = ["RackPieces", "local_block", "bit_sum", "refuse_fsdp1"]
 
 _MAX_ID_BYTES = 128
 """The longest learner id the wire accepts (``rackmend.transport.wire``), in bytes."""
@@ -91,7 +91,7 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+def bit_sum(t: torch.Tensor) -> torch.Tensor | None:
     """An exact summary of ``t``'s bits, a 0-d int64 tensor on its device: the sum
     (wrapping) of its elements read as integers of their width. Integer addition is
     associative, so equal copies give equal fingerprints on any rank and device,
@@ -157,6 +157,8 @@ class RackPieces:
         self._replicas: list[list[tuple[int, Any] | None]] = [[None] * len(f.tensors) for f in self.fragments]
         """Per fragment and tensor: (owner's global rank, group of the ranks holding this
         rank's block) when other ranks hold it too, else None."""
+        if self.distributed:
+            self._check_same_layout()
         rack = self._gather_blocks(mine) if self.distributed else [mine]
         self.layout = rank_layout(self.fragments, rack, self.rank)
         """This rank's blocks and owned pieces (what the learner core runs on)."""
@@ -253,6 +255,23 @@ class RackPieces:
         return Update(p, meta[0], tuple(tensors), reset=meta[2], epoch=meta[1])
 
     # ------------------------------------------------------------------ helpers
+    def _check_same_layout(self) -> None:
+        """Raise on every rank unless every rank has this fragment layout (the same
+        tensors, names and global shapes, split the same way): the collectives that
+        follow exchange a row per tensor, and ranks with other layouts would fail in
+        them with a size mismatch, or worse. One all-gather of two integers, once."""
+        digest = int(fingerprint(self.fragments), 16)
+        row = torch.tensor([sum(len(f.tensors) for f in self.fragments), digest - (digest >> 63 << 64)],
+                           dtype=torch.int64)
+        ranks = [tuple(got.tolist()) for got in self._all_gather(row)]
+        if len(set(ranks)) > 1:
+            shown = ", ".join(f"rank {r}: {n} tensors, layout {h & (2**64 - 1):016x}" for r, (n, h) in enumerate(ranks[:8]))
+            raise ConfigError(
+                f"the ranks of this rack have different models or fragment layouts ({shown}"
+                f"{', ...' if len(ranks) > 8 else ''}). Every rank of one learner holds the same model, whole or "
+                "sharded as DTensors, with the same ScheduleConfig; pipeline parallelism, where ranks hold "
+                "different layers, is not supported")
+
     def _refuse_differing_copies(self, rack: list[list[list[Piece | None]]], held_by: list[list[list[Any]]]) -> None:
         """Raise where ranks holding the same block of a parameter hold different values
         (``differing_copies``): one owner would send its block for all of them and the
@@ -264,7 +283,7 @@ class RackPieces:
         for ts, per_fragment in zip(self.local, held_by):
             for t, per_tensor in zip(ts, per_fragment):
                 shared = any(self.rank in h.ranks and len(h.ranks) > 1 for h in per_tensor)
-                summary = fingerprint(t) if shared else None
+                summary = bit_sum(t) if shared else None
                 if summary is not None:
                     row[k] = torch.stack([torch.ones((), dtype=torch.int64), summary.cpu()])
                 k += 1
