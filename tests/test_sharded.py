@@ -247,6 +247,31 @@ def test_fsdp_rack_resumes_from_a_distributed_checkpoint_onto_the_newer_global_v
         "the resumed rack merged nothing"
 
 
+def test_fsdp_rack_relaunched_with_more_ranks_rejoins_and_trains_on(procs: Procs, tmp_path: Path) -> None:
+    """An elastic resize: an FSDP2 rack of 2 ranks trains and leaves; the same learner
+    comes back as 3 ranks (other blocks, uneven shards). Its new pieces pass the cover
+    check, it starts from the global value the first run left (its held-out loss starts
+    where the first run's ended, not at the initial model's) and its merges go on."""
+    _, endpoint = procs.syncer("--overlap", str(TAU))
+    losses = []
+    for ranks in (2, 3):
+        proc = procs.start([*SHARDED, "--nproc-per-node", str(ranks), PROC, "--mode", "fsdp", "--endpoint", endpoint,
+                            "--id", "l0", "--steps", str(STEPS), "--H", str(H), "--P", str(P), "--tau", str(TAU),
+                            "--loss-out", str(tmp_path / f"loss{ranks}")], f"l0x{ranks}")
+        finish(proc, procs, f"l0x{ranks}", timeout=240)
+        losses.append([float(v) for v in (tmp_path / f"loss{ranks}").read_text().split()])
+    (start2, end2), (start3, end3) = losses
+    assert end2 < 0.9 * start2, losses
+    # Nearer where the first run ended than the initial model (the global value moved
+    # on by the first run's final merges, so not exactly where it ended).
+    assert start3 < (start2 + end2) / 2, f"the 3-rank rack did not start from the global value: {losses}"
+    assert end3 < start3, losses
+    log = events(tmp_path)
+    assert not [e for e in log if e["event"] in ("incomplete", "piece_dropped", "reject", "bad_message")]
+    first_leave = min(e["t"] for e in log if e["event"] == "leave")
+    assert len([e for e in log if e["event"] == "merge" and e["t"] > first_leave]) >= P * 2
+
+
 # ---------------------------------------------------------------- pieces refused at hello
 def _hello(lid: str, rank: int, world: int, pieces: object) -> list:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU))
