@@ -594,6 +594,29 @@ def test_sharded_layout_mistakes_raise() -> None:
         rank.core.handle(SnapshotTaken(0, [torch.zeros(4, 3), torch.zeros(3)]), rank.clock)
 
 
+def test_a_saved_state_of_another_rank_or_sharding_is_refused() -> None:
+    """A sharded rack's learner state is per rank. Under even sharding another rank's
+    state has the same shapes and would put its blocks' values in this rank's places
+    without an error: the saved blocks are compared, and a replica's state (the same
+    blocks) is accepted. A state without blocks (saved before they were kept) is
+    checked by its shapes."""
+    specs, rack = hsdp_rack(P=1)
+    ranks = [Rack(cfg(H=4, P=1), rank=r, world_size=4, specs=specs, layout=rank_layout(specs, rack, r),
+                  values=global_values(specs)) for r in range(4)]
+    saved = ranks[0].core.state_dict()
+    with pytest.raises(ValueError, match=r"saved by rank 0 of 4: of w0 \(fragment 0\) it holds the block at \[0, 0\] "
+                                         r"of shape \[2, 3\], this rank \(rank 1 of 4\) holds at \[2, 0\] of shape"):
+        ranks[1].core.load_state_dict(saved)
+    assert ranks[2].core.load_state_dict(saved) == []  # rank 2 holds rank 0's blocks (HSDP replicas)
+    single = Rack(cfg(H=4, P=1), specs=specs, values=global_values(specs)).core.state_dict()
+    with pytest.raises(ValueError, match=r"saved by rank 0 of 1: .* block at \[0, 0\] of shape \[4, 3\]"):
+        ranks[3].core.load_state_dict(single)
+    older = {k: v for k, v in single.items() if k not in ("blocks", "rank", "world_size")}
+    with pytest.raises(ValueError, match=r"saved by another rank or sharding: .* block of shape \[4, 3\], this rank "
+                                         r"\(rank 3 of 4\) holds of shape \[2, 3\]"):
+        ranks[3].core.load_state_dict(older)
+
+
 # ---------------------------------------------------------------------- owners holding other versions
 class Fsdp:
     """Both ranks of a rack holding one (4, 3) tensor as FSDP does (rank 0 rows 0-1, rank 1

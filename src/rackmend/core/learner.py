@@ -52,7 +52,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -669,6 +669,9 @@ class LearnerCore:
             "held": [[t.clone() for t in f.held] for f in self.fragments],
             "uplink": {} if self.uplink is None else self.uplink.state_dict(),
             "moment_versions": [{k: [m.version, m.epoch] for k, m in ms.items()} for ms in self.moments],
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "blocks": _blocks_listed(self.layout.blocks),
         }
 
     def load_state_dict(self, state: Mapping) -> list[Rebase]:
@@ -681,6 +684,7 @@ class LearnerCore:
         if any(v != n for v in lengths.values()):
             raise ValueError(f"the saved learner state has {lengths} entries per fragment, this layout has {n} "
                              "fragments; it was saved with another model or schedule.num_fragments")
+        self._check_saved_blocks(state)
         self.step = int(state["step"])
         epochs = [int(e) for e in state.get("epochs", [0] * n)]  # older saves lack them
         for f, steps, tokens, seconds in zip(self.fragments, state["c_steps"], state["c_tokens"], state["c_time"]):
@@ -707,6 +711,28 @@ class LearnerCore:
                     ms[kind].version, ms[kind].epoch = int(version), int(epoch)
                     ms[kind].in_flight, ms[kind].arrived = None, None
         return rebases
+
+    def _check_saved_blocks(self, state: Mapping) -> None:
+        """Raise unless ``state`` holds this rank's blocks: a sharded rack's state is per
+        rank, and another rank's (the same shapes under even sharding) or another
+        sharding's would put values into the wrong places without an error."""
+        saved = state.get("blocks")
+        mine = _blocks_listed(self.layout.blocks)
+        if saved is None:  # older saves: only the shapes of the blocks' values held can be checked
+            mine = [[None if b is None else [None, b[1]] for b in f] for f in mine]
+            saved = [[None if b is None else [None, list(t.shape)] for t, b in zip(held, ours)]
+                     for held, ours in zip(state["held"], mine)]
+        for f, (theirs, ours) in enumerate(zip(saved, mine)):
+            for i, (a, b) in enumerate(zip(theirs, ours)):
+                if a != b:
+                    name = self._specs[f].tensors[i].name
+                    where = (f"saved by rank {state['rank']} of {state['world_size']}" if "rank" in state
+                             else "saved by another rank or sharding")
+                    raise ValueError(
+                        f"this learner state was {where}: of {name} (fragment {f}) it holds the block "
+                        f"{_describe_block(a)}, this rank (rank {self.rank} of {self.world_size}) holds "
+                        f"{_describe_block(b)}. Load each rank's own state, saved with the same sharding; after a "
+                        "change of sharding, resume without it (the learner joins with the global value)")
 
     # ------------------------------------------------------------------ the step
     def _step_done(self, event: InnerStepDone, now: float, actions: list[LearnerAction]) -> None:
@@ -1130,6 +1156,19 @@ def _values(f: FragmentState) -> tuple[ValueKey, ...]:
     """The values an owner holds and could change to, newest first (``Offer.values``)."""
     out = tuple(_key(u) for u in (f.arrived, f.pinned) if u is not None)
     return out[:1] if len(out) == 2 and out[0] == out[1] else out
+
+
+def _blocks_listed(blocks: Sequence[Sequence[Piece | None]]) -> list[list[list[list[int]] | None]]:
+    """A rank's blocks as plain lists, [offsets, shape] per tensor (None: it holds none),
+    as a checkpoint keeps them."""
+    return [[None if b is None else [list(b.offsets), list(b.shape)] for b in f] for f in blocks]
+
+
+def _describe_block(block: Any) -> str:
+    if block is None:
+        return "nothing"
+    offsets, shape = block
+    return f"of shape {shape}" if offsets is None else f"at {offsets} of shape {shape}"
 
 
 def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_size: int) -> None:
