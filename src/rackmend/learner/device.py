@@ -2,7 +2,8 @@
 
 - **Snapshots.** A due fragment's pieces go to pinned host buffers (reused per
   fragment) on a side stream, queued behind the step's kernels; the training thread
-  does not wait for them. ``ready(p)`` hands the copy's event to the send thread
+  does not wait for them. Buffers, which the next forward pass writes in place, are
+  copied from a device clone taken at once. ``ready(p)`` hands the copy's event to the send thread
   (``rackmend.learner.sending``), which waits for it before it reads the buffers. The
   parameters must not change before the copy has read them: ``guard_writes`` makes the
   current stream wait for it (on the device) before the next write (the inner step,
@@ -70,10 +71,13 @@ class CudaCopies:
     # ------------------------------------------------------------------ snapshots
     @torch.no_grad()
     def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool, in_flight: int,
-                 owns: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                 owns: bool = True, forward_writes: Sequence[bool] = ()
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Fragment p's pieces for ``SnapshotTaken``: (host pieces, at-send copy or None).
         The host pieces are pinned buffers the copy is still filling (``ready(p)``). A rank
-        that sends nothing of p (``owns`` False) needs only the copy kept for the apply."""
+        that sends nothing of p (``owns`` False) needs only the copy kept for the apply.
+        ``forward_writes``: per tensor, whether the next forward pass may write it in place
+        (buffers: BatchNorm's running statistics), which ``guard_writes`` does not order."""
         if keep and not owns and in_flight < self.bound:
             kept = [t.detach().clone() for t in params]
             return kept, kept
@@ -81,14 +85,21 @@ class CudaCopies:
         if buffers is None:
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in params]
             self._pinned[p] = buffers
+        # Written by the next forward before the copy may have read them: copied from a
+        # clone taken now on the current stream (buffers are small).
+        written = [bool(w) for w in forward_writes] + [False] * (len(params) - len(forward_writes))
+        sources = [t.detach().clone() if w else t.detach() for t, w in zip(params, written)]
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for buf, param in zip(buffers, params):
-                buf.copy_(param.detach(), non_blocking=True)
+            for buf, src in zip(buffers, sources):
+                buf.copy_(src, non_blocking=True)
             # Blocking: the send thread sleeps in its wait instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
+        for src, w in zip(sources, written):
+            if w:  # made on the current stream, read on the copy stream
+                src.record_stream(stream)
         self._copied[p] = done
         self._unguarded.append(done)
         if not keep:
@@ -167,12 +178,16 @@ class CudaCopies:
         return replace(action, update=replace(action.update, tensors=tuple(tensors)))
 
     def forget(self, p: int) -> None:
-        """Drop fragment p's staged value (a newer one came, or a rebase replaced it)."""
-        self._check(self._staged.pop(p, None))
+        """Drop fragment p's staged value (a newer one came, or a rebase replaced it); its
+        copy is cancelled if it has not started."""
+        staged = self._staged.pop(p, None)
+        if staged is not None:
+            staged[1].cancel()
+        self._check(staged)
 
     def _check(self, staged: tuple[Update, Future[_Staged]] | None) -> None:
         """A staging copy not used: its failure, if it failed, is still logged."""
-        if staged is not None and staged[1].done() and staged[1].exception() is not None:
+        if staged is not None and staged[1].done() and not staged[1].cancelled() and staged[1].exception() is not None:
             log.warning("staging merged value %d of fragment %d on %s failed: %s", staged[0].version,
                         staged[0].fragment, self.device, staged[1].exception())
 

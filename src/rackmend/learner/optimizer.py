@@ -190,6 +190,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Inside ``step``: it orders the next inner step after this step's snapshot copies."""
         self._model_checked = False
         """The first step has checked that the model still holds the tensors rackmend works on."""
+        devices = sorted({str(t.device) for ts in self._params for t in ts if t.is_cuda})
+        if len(devices) > 1:
+            # The snapshot copies and their events are made on one device's streams; a
+            # tensor on another device would be copied on that device's stream, which
+            # the event does not cover, and be sent half copied.
+            raise ConfigError(
+                f"the model's tensors are on {len(devices)} GPUs ({', '.join(devices)}) in this process; a learner "
+                "rank keeps its model on one device. Spread a model over GPUs with one process per GPU (FSDP2's "
+                "fully_shard, tensor parallelism under torchrun), not device_map='auto' or manual placement")
         first = next((t for ts in self._params for t in ts), None)
         device = first.device if first is not None and first.is_cuda else None
         # The send thread's CUDA calls (waiting for snapshot copies) on this rank's device,
@@ -512,8 +521,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 # are reused; host copies stay at one per fragment in memory).
                 self._sends.wait(a.fragment)
                 if self._cuda is not None and params and params[0].is_cuda:
-                    pieces, at_send = self._cuda.snapshot(a.fragment, params, a.keep, len(self.core.in_flight()),
-                                                          self.core.owns(a.fragment))
+                    pieces, at_send = self._cuda.snapshot(
+                        a.fragment, params, a.keep, len(self.core.in_flight()), self.core.owns(a.fragment),
+                        [spec.is_buffer for spec in self.fragments[a.fragment].tensors])
                 else:
                     pieces, at_send = [t.detach().to("cpu", copy=True) for t in params], None
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
