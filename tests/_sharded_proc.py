@@ -54,6 +54,8 @@ def build(mode: str, model_kind: str, mixed: bool = False) -> torch.nn.Module:
     world = dist.get_world_size()
     if mode == "unseeded":  # a user's mistake: each rank initialises its own model, nothing shards it
         return make_model(seed=dist.get_rank())
+    if mode == "plain":  # every rank holds the whole model (as DDP does), nothing sharded
+        return make_model()
     if mode == "stages":  # pipeline parallelism: the last rank holds only later layers
         return make_model().blocks if dist.get_rank() == world - 1 else make_model()
     model = make_model() if model_kind == "tiny" else make_llama()
@@ -156,7 +158,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp", "fsdp1", "unseeded", "stages"), required=True)
+    p.add_argument("--mode", choices=("fsdp", "tp", "hsdp", "tp_fsdp", "plain", "fsdp1", "unseeded", "stages"), required=True)
     p.add_argument("--model", choices=("tiny", "llama"), default="tiny")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--id", required=True)

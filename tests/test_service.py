@@ -3,6 +3,7 @@ the reference, a SIGKILLed learner, a SIGKILLed and resumed syncer, Curve keys."
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -450,3 +451,24 @@ def test_graceful_stop_merges_pending_work_before_its_checkpoint(tmp_path: Path)
     for i, name in enumerate(svc.core.fragments[0].names):  # type: ignore[union-attr]
         assert torch.allclose(theta[f"theta/0/{i}"], named[name].detach(), rtol=0, atol=1e-6), \
             f"{name}: l0's work is missing"
+
+
+def test_syncer_console_shows_progress_lines(procs: Procs, tmp_path: Path) -> None:
+    """Merges go to the --log file; the console sums them up every --progress-every
+    seconds (a new user watching the syncer sees training move): each line's count adds
+    up to no more than the merges logged, and it names only learners that merged."""
+    syncer, endpoint = procs.syncer("--overlap", "1", "--progress-every", "0.5")
+    learners = {lid: procs.learner(endpoint, lid, "--steps", "40", "--H", "2", "--P", "2", "--tau", "1",
+                                   "--step-sleep", "0.05") for lid in ("l0", "l1")}
+    for lid, proc in learners.items():
+        finish(proc, procs, lid, timeout=120)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    lines = re.findall(r"progress: (\d+) merges in the last [\d.]+ s \(latest versions ([^)]*)\); learners merged: (.*)",
+                       procs.output("syncer"))
+    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    assert len(lines) >= 2, procs.output("syncer")[-2000:]
+    assert sum(int(n) for n, _, _ in lines) <= len(merges)
+    assert {lid for _, _, named in lines for lid in named.split(", ")} <= {lid for e in merges for lid in e["merged"]}
+    top = {int(f): int(v) for _, versions, _ in lines for f, v in re.findall(r"(\d+): v(\d+)", versions)}
+    assert all(v <= max(e["version"] for e in merges if e["fragment"] == f) for f, v in top.items())

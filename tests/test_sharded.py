@@ -272,6 +272,30 @@ def test_fsdp_rack_relaunched_with_more_ranks_rejoins_and_trains_on(procs: Procs
     assert len([e for e in log if e["event"] == "merge" and e["t"] > first_leave]) >= P * 2
 
 
+def test_rack_killed_and_relaunched_sharded_another_way_is_not_refused_for_its_old_pieces(procs: Procs,
+                                                                                          tmp_path: Path) -> None:
+    """A user's rack joined unsharded (the optimizer built before ``fully_shard``), failed,
+    and is relaunched at once, fixed: FSDP2 over the same 2 ranks. The dead run's ranks
+    still count as connected (heartbeat timeout not reached) and declared whole
+    fragments; the new rank 0's blocks checked against those left gaps, and the fixed
+    rack was refused as wrongly sharded. The syncer now waits for the new run's other
+    rank and checks the new run's pieces by themselves: the rack trains."""
+    _, endpoint = procs.syncer("--overlap", str(TAU), "--heartbeat-timeout", "60", "--takeover-after", "1")
+    old = _rack(procs, endpoint, "l0", 2, "plain", ["l0"], tmp_path, "--step-sleep", "120")
+    wait_for(lambda: len([e for e in events(tmp_path) if e["event"] == "join"]) == 2 or old.poll() is not None,
+             120, "the unsharded rack to join")
+    for pid in [*descendants(old.pid), old.pid]:
+        os.kill(pid, signal.SIGKILL)
+    old.wait(30)
+    new = _rack(procs, endpoint, "l0", 2, "fsdp", ["l0"], tmp_path)
+    finish(new, procs, "l0", timeout=240)
+    log = events(tmp_path)
+    assert not [e for e in log if e["event"] in ("settings_refused", "reject", "bad_message")], log
+    waited = [e for e in log if e["event"] == "gate" and e.get("waiting_for")]
+    assert waited and "exactly one rank" in waited[0]["reason"], "the old run's pieces never met the new run's"
+    assert [e for e in log if e["event"] == "merge" and e["t"] > waited[0]["t"]], "the relaunched rack merged nothing"
+
+
 # ---------------------------------------------------------------- pieces refused at hello
 def _hello(lid: str, rank: int, world: int, pieces: object) -> list:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU))

@@ -239,10 +239,10 @@ class SyncerConfig:
     """K: contributions (from distinct learners) a round needs before it can end."""
 
     learners: tuple[str, ...] = ()
-    """Ids of the expected learners, if known in advance (comma-separated in a flag or an
-    environment variable, a list in TOML). Rounds end early once every expected,
-    healthy learner is in. The syncer service also refuses any other id at join.
-    Empty: every learner that joins is expected."""
+    """Ids of the learners allowed to join, if known in advance (the syncer service
+    refuses any other id at join; comma-separated in a flag or an environment variable,
+    a list in TOML). Rounds end early once every one of them that is healthy is in.
+    Empty: any id may join, and every learner that joins is expected."""
 
     grace_max: float = 2.0
     """Upper bound in seconds on the grace window after quorum, and the window used

@@ -157,6 +157,12 @@ class ServiceConfig:
     """TCP port of the Prometheus endpoint (``http://HOST:PORT/metrics``); 0: none.
     ``docs/operations.md`` lists the metrics."""
 
+    progress_every: float = 30.0
+    """Seconds between the progress lines logged at INFO: the merges since the last line,
+    each fragment's latest version and the learners merged (or, with learners connected
+    and nothing merged, that no merge happened). 0: none. Every merge is in the
+    ``log_path`` file either way."""
+
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on. Metrics are served without
     authentication: keep the loopback default and scrape from this machine, or put a
@@ -170,6 +176,9 @@ class ServiceConfig:
             raise ConfigError("metrics_host is empty; give an address such as 127.0.0.1 (--metrics-host)")
         if self.log_burst < 1:
             raise ConfigError(f"log_burst must be >= 1 records per window, got {self.log_burst}")
+        if self.progress_every < 0:
+            raise ConfigError(f"progress_every must be >= 0 seconds (0: no progress lines), got {self.progress_every} "
+                              "(--progress-every)")
         if not self.init_timeout > 0:
             raise ConfigError(f"init_timeout must be > 0 seconds, got {self.init_timeout}; the default is 60 "
                               "(--init-timeout)")
@@ -253,6 +262,17 @@ class _Gated:
 
 
 @dataclass
+class _Progress:
+    """What the next progress line sums up: merges since ``at``."""
+
+    at: float
+    merges: int = 0
+    versions: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the latest version merged."""
+    learners: set[str] = field(default_factory=set)
+
+
+@dataclass
 class _LearnerStats:
     """What ``status`` reports about one learner id (all its ranks together)."""
 
@@ -333,6 +353,8 @@ class SyncerService:
         self._ident_learner: dict[bytes, str] = {}
         """Connection -> learner id, kept after a peer is dropped (its last sends still count)."""
         self._last_merge: dict[int, dict[str, Any]] = {}
+        self._progress = _Progress(at=clock())
+        """Merges since the last progress line (``progress_every``)."""
         self._checkpoint_at: float | None = None
         self._stop = threading.Event()
         self._log_file = open(service.log_path, "a", encoding="utf-8") if service.log_path else None
@@ -421,6 +443,7 @@ class SyncerService:
                 self._check_init()
                 self._expire_pieces()
                 self._summarise_suppressed(self._limiter.expired(self.clock()))
+                self._report_progress()
                 if self.core is not None:
                     self._drive(Tick())
                 for ident in [i for i, box in self._outboxes.items() if box]:
@@ -650,8 +673,10 @@ class SyncerService:
         """Hold a sharded learner's hellos until every one of its ranks has said hello
         (or is connected already), then check that the pieces they own cover every
         element of every tensor exactly once. Returns the hellos to admit now: none while
-        ranks are missing or when the cover is wrong (then every rank of the learner is
-        refused, ``settings_refused`` with setting ``pieces``)."""
+        ranks are missing or when the cover is wrong. Where the pieces of ranks still
+        connected (perhaps the learner's previous run) take part in a wrong cover, it
+        waits for those ranks to say hello again; where only new hellos do, every rank of
+        the learner is refused (``settings_refused`` with setting ``pieces``)."""
         lid, now = hello.learner_id, self.clock()
         gate = self._gate.setdefault(lid, {})
         for other in [i for i, g in gate.items() if i != ident and g.hello.rank == hello.rank]:
@@ -664,6 +689,15 @@ class SyncerService:
             self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(ranks), world=hello.world)
             return []
         problem = cover_problem(hello.layout, [ranks[r] for r in range(hello.world)])
+        if problem is not None and connected:
+            # Ranks still connected may belong to the learner's previous run (killed, not
+            # yet timed out), which a relaunch sharded another way replaces as its ranks say
+            # hello: wait for their hellos rather than refuse the new run for pieces its
+            # predecessor declared. A new hello of every rank is then checked by itself.
+            self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(r for r in ranks if r not in connected),
+                        world=hello.world, waiting_for=sorted(connected),
+                        reason=f"with the pieces ranks {sorted(connected)} declared when they connected: {problem}")
+            return []
         if problem is not None:
             reason = (f"learner {lid}'s ranks do not share its tensors out exactly: {problem}. Each rank must "
                       "declare the blocks it holds of each DTensor (rackmend.learner.pieces does this from the "
@@ -671,12 +705,13 @@ class SyncerService:
             self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting="pieces",
                              learner_value=None, syncer_value=None, reason=reason)
             log.warning("refused learner %s: %s", lid, reason)
-            idents = list(gate) + [i for i, p in self.peers.items() if p.learner_id == lid]
-            del self._gate[lid]
-            for i in idents:
-                self.peers.pop(i, None)
+            # Every rank is in the gate (no other rank is connected); a rank that said hello
+            # again on its connection is a peer too, and goes.
+            was_peer = [i for i in gate if self.peers.pop(i, None) is not None]
+            for i in gate:
                 self._reply_error(i, "fatal", reason)
-            if connected and self.core is not None:
+            del self._gate[lid]
+            if was_peer and self.core is not None:
                 self._drive(LearnerLeft(lid, "refused"))
             return []
         del self._gate[lid]
@@ -1183,7 +1218,25 @@ class SyncerService:
     def _event(self, event: str, **fields: Any) -> None:
         self._record({"event": event, "t": self.clock(), **fields})
 
+    def _report_progress(self) -> None:
+        """The progress line at INFO every ``progress_every`` seconds (see there)."""
+        every, now, pr = self.service.progress_every, self.clock(), self._progress
+        if not every or now - pr.at < every:
+            return
+        if pr.merges:
+            versions = ", ".join(f"{p}: v{v}" for p, v in sorted(pr.versions.items()))
+            log.info("progress: %d merges in the last %.1f s (latest versions %s); learners merged: %s", pr.merges,
+                     now - pr.at, versions, ", ".join(sorted(pr.learners)))
+        elif self.peers:
+            connected = sorted({p.learner_id for p in self.peers.values()})
+            log.info("progress: no merge in the last %.1f s; connected: %s", now - pr.at, ", ".join(connected))
+        self._progress = _Progress(at=now)
+
     def _record(self, record: dict) -> None:
+        if record["event"] == "merge":
+            self._progress.merges += 1
+            self._progress.versions[record["fragment"]] = record["version"]
+            self._progress.learners.update(record["merged"])
         if record["event"] == "auth_denied":
             log.warning("auth denied: %s", record["reason"])
         elif record["event"] in WARNING_EVENTS:
