@@ -46,13 +46,14 @@ from rackmend.transport.zmq_link import ZmqLink  # noqa: E402
 def build(mode: str, model_kind: str, mixed: bool = False) -> torch.nn.Module:
     """The model, sharded as ``mode`` says over all ranks (hsdp: 2 replicas of FSDP over
     world/2 ranks; tp_fsdp: FSDP over world/2 ranks of TP pairs). Two that rackmend must
-    refuse: fsdp1 (FSDP1's flat parameters), unseeded (plain copies that differ) and
-    stages (ranks holding different layers)."""
+    refuse: fsdp1 (FSDP1's flat parameters) and
+    stages (ranks holding different layers); unseeded (plain copies that differ at
+    construction) trains unless its ranks train apart (``--data-per-rank``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
-    if mode == "unseeded":  # a user's mistake: each rank initialises its own model, nothing shards it
+    if mode == "unseeded":  # each rank initialises its own model (seeded apart), nothing shards it
         return make_model(seed=dist.get_rank())
     if mode == "plain":  # every rank holds the whole model (as DDP does), nothing sharded
         return make_model()
@@ -178,6 +179,8 @@ def main() -> int:
     p.add_argument("--applied-out", type=Path)
     p.add_argument("--mixed", action="store_true", help="fsdp: bf16 compute (MixedPrecisionPolicy)")
     p.add_argument("--id-per-rank", action="store_true", help="a user's mistake: learner id <id>-<rank>")
+    p.add_argument("--data-per-rank", action="store_true",
+                   help="each rank trains on batches of its own (without DDP nothing keeps plain copies equal)")
     p.add_argument("--checkpoint", type=Path, help="torch.distributed.checkpoint directory (with --checkpoint-at)")
     p.add_argument("--checkpoint-at", type=int, default=0)
     p.add_argument("--resume", type=Path, help="restore from a --checkpoint directory, then train from --first-step")
@@ -214,7 +217,7 @@ def main() -> int:
     first = held_out_loss()
     try:
         for t in range(a.first_step, a.steps + 1):
-            x, y, tokens = batch(a.id, t)
+            x, y, tokens = batch(a.id, t + 100_000 * rank if a.data_per_rank else t)
             loss = model(x, y)
             opt.zero_grad()
             loss.backward()

@@ -598,7 +598,8 @@ def test_a_saved_state_of_another_rank_or_sharding_is_refused() -> None:
     """A sharded rack's learner state is per rank. Under even sharding another rank's
     state has the same shapes and would put its blocks' values in this rank's places
     without an error: the saved blocks are compared, and a replica's state (the same
-    blocks) is accepted. A state without blocks (saved before they were kept) is
+    blocks) is accepted, unless it carries an uplink codec's residuals for pieces this
+    rank does not send. A state without blocks (saved before they were kept) is
     checked by its shapes."""
     specs, rack = hsdp_rack(P=1)
     ranks = [Rack(cfg(H=4, P=1), rank=r, world_size=4, specs=specs, layout=rank_layout(specs, rack, r),
@@ -611,7 +612,15 @@ def test_a_saved_state_of_another_rank_or_sharding_is_refused() -> None:
     single = Rack(cfg(H=4, P=1), specs=specs, values=global_values(specs)).core.state_dict()
     with pytest.raises(ValueError, match=r"saved by rank 0 of 1: .* block at \[0, 0\] of shape \[4, 3\]"):
         ranks[3].core.load_state_dict(single)
-    older = {k: v for k, v in single.items() if k not in ("blocks", "rank", "world_size")}
+    # A replica's state with an uplink codec's residuals: rank 0 sends the pieces of the
+    # block it shares with rank 2, whose own residuals would be lost.
+    lossy = [Rack(cfg(H=4, P=1, uplink="int8"), rank=r, world_size=4, specs=specs, layout=rank_layout(specs, rack, r),
+                  values=global_values(specs)) for r in (0, 2)]
+    lossy[0].steps(4)
+    assert lossy[0].core.state_dict()["uplink"], "no residuals to check"
+    with pytest.raises(ValueError, match=r"saved by rank 0 of 4, which sends other pieces than this rank \(rank 2\)"):
+        lossy[1].core.load_state_dict(lossy[0].core.state_dict())
+    older = {k: v for k, v in single.items() if k not in ("blocks", "owned", "rank", "world_size")}
     with pytest.raises(ValueError, match=r"saved by another rank or sharding: .* block of shape \[4, 3\], this rank "
                                          r"\(rank 3 of 4\) holds of shape \[2, 3\]"):
         ranks[3].core.load_state_dict(older)

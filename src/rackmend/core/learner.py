@@ -672,6 +672,7 @@ class LearnerCore:
             "rank": self.rank,
             "world_size": self.world_size,
             "blocks": _blocks_listed(self.layout.blocks),
+            "owned": _owned_listed(self.layout.owned),
         }
 
     def load_state_dict(self, state: Mapping) -> list[Rebase]:
@@ -733,6 +734,14 @@ class LearnerCore:
                         f"{_describe_block(a)}, this rank (rank {self.rank} of {self.world_size}) holds "
                         f"{_describe_block(b)}. Load each rank's own state, saved with the same sharding; after a "
                         "change of sharding, resume without it (the learner joins with the global value)")
+        if state.get("uplink") and state.get("owned", _owned_listed(self.layout.owned)) != _owned_listed(
+                self.layout.owned):
+            # The same blocks (a replica's state) but other pieces sent: the codec's error
+            # feedback is per piece sent, and this rank's own would be lost.
+            raise ValueError(
+                f"this learner state was saved by rank {state.get('rank')} of {state.get('world_size')}, which sends "
+                f"other pieces than this rank (rank {self.rank}); its uplink codec's residuals (error feedback) "
+                "belong to those pieces. Load each rank's own state")
 
     # ------------------------------------------------------------------ the step
     def _step_done(self, event: InnerStepDone, now: float, actions: list[LearnerAction]) -> None:
@@ -1162,6 +1171,11 @@ def _blocks_listed(blocks: Sequence[Sequence[Piece | None]]) -> list[list[list[l
     """A rank's blocks as plain lists, [offsets, shape] per tensor (None: it holds none),
     as a checkpoint keeps them."""
     return [[None if b is None else [list(b.offsets), list(b.shape)] for b in f] for f in blocks]
+
+
+def _owned_listed(owned: Sequence[Sequence[Piece]]) -> list[list[list[Any]]]:
+    """A rank's owned pieces as plain lists, [tensor, offsets, shape] each."""
+    return [[[pc.tensor, list(pc.offsets), list(pc.shape)] for pc in f] for f in owned]
 
 
 def _describe_block(block: Any) -> str:

@@ -69,7 +69,7 @@ from rackmend.core.learner import (
 from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.learner.device import CudaCopies
-from rackmend.learner.pieces import RackPieces, refuse_fsdp1
+from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
 from rackmend.learner.sending import SendThread
 from rackmend.learner.tensorboard import LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
@@ -310,8 +310,6 @@ class RackmendOptimizer(torch.optim.Optimizer):
         (see the class docstring for callers that cannot pass it)."""
         if self._rebased is not None:
             self._check_not_overwritten()
-        if not self._model_checked:
-            self._check_model()
         if self._cuda is not None:
             self._cuda.guard_writes()  # the inner step writes what the last snapshots read
         loss = self.inner.step(closure)
@@ -410,12 +408,19 @@ class RackmendOptimizer(torch.optim.Optimizer):
             post(self)
 
     def _check_model(self) -> None:
-        """At the first step: raise if the model no longer holds the tensors this optimizer
-        was built on, or if the inner optimizer steps none of them; warn if it steps
-        parameters the model does not have. Each would leave rackmend reading and writing
-        tensors the training does not use, with no error anywhere."""
-        self._model_checked = True
-        current = fragment_tensors(self.model, self.fragments)
+        """At the first step: raise if a multi-rank rack does not keep its copies of a
+        block equal (``refuse_differing_copies``), if the model no longer holds the
+        tensors this optimizer was built on, or if the inner optimizer steps none of them;
+        warn if it steps parameters the model does not have. Each would leave rackmend
+        reading and writing values the training does not use, with no error anywhere."""
+        # First, on every rank alike (a collective): whether the rack keeps its copies equal.
+        refuse_differing_copies(self._pieces.differing_copies())
+        try:
+            current = fragment_tensors(self.model, self.fragments)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}. The model changed after RackmendOptimizer was built (a parameter frozen, "
+                              "renamed or removed: only parameters with requires_grad are synchronised); change it "
+                              "first, then build the inner optimizer and RackmendOptimizer") from None
         with torch.no_grad():
             for spec, built, now in zip(self.fragments, self._params, current):
                 for t, held, tensor in zip(spec.tensors, built, now):
@@ -451,6 +456,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                         "to RackmendOptimizer (shapes %s%s); rackmend never synchronises them, so they train on this "
                         "learner alone. Pass the whole model if they should be merged", self.learner_id,
                         len(foreign), [list(p.shape) for p in foreign[:4]], " ..." if len(foreign) > 4 else "")
+        self._model_checked = True  # last: a step retried after a refusal checks again
 
     def _check_not_overwritten(self) -> None:
         changed = [t for t, v in self._rebased or () if t._version != v]
@@ -493,7 +499,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bookkeeping after one inner step; ``step`` calls it for you. A loop that steps
         the inner optimizer itself calls this after each of its steps (on CUDA it then
         orders the device's next writes after this step's snapshot copies)."""
-        if not self._model_checked:
+        if not self._model_checked:  # after the first inner step: whether it kept the rack's copies equal
             self._check_model()
         core = self.core
         now = self._clock()

@@ -21,6 +21,7 @@ hold copies. With one rank everything is whole and owned.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Sequence
 
@@ -33,7 +34,9 @@ from rackmend.core.messages import Update
 from rackmend.core.pieces import Piece, differing_copies, holders, rank_layout
 from rackmend.transport.base import TransportError
 
-__all__ = ["RackPieces", "local_block", "bit_sum", "refuse_fsdp1"]
+__all__ = ["RackPieces", "local_block", "bit_sum", "refuse_fsdp1", "refuse_differing_copies"]
+
+log = logging.getLogger("rackmend.learner")
 
 _MAX_ID_BYTES = 128
 """The longest learner id the wire accepts (``rackmend.transport.wire``), in bytes."""
@@ -86,6 +89,32 @@ def refuse_fsdp1(model: torch.nn.Module) -> None:
             "slices of flat buffers that rackmend cannot place in the global tensors; shard it with FSDP2, "
             "torch.distributed.fsdp.fully_shard, instead (docs/integration.md, 'Sharded models'), or use "
             "DistributedDataParallel for a replicated rack")
+
+
+def _differ_text(differ: Sequence[tuple[str, dict[int, int], bool]]) -> str:
+    named = "; ".join(f"{name} (ranks {', '.join(map(str, sorted(seen)))}: {len(set(seen.values()))} different "
+                      "values)" for name, seen, _ in differ[:3])
+    return (f"{len(differ)} parameters that several ranks of this rack hold as copies of one block differ between "
+            f"those ranks: {named}{' ...' if len(differ) > 3 else ''}")
+
+
+def refuse_differing_copies(differ: Sequence[tuple[str, dict[int, int], bool]]) -> None:
+    """After the rack's first step (``RackPieces.differing_copies`` then): raise if copies
+    differ by more than rounding, warn if by rounding only. rackmend takes copies to be
+    alike (one rank sends a block for all, the merged value overwrites every copy): a
+    rack that does not keep them equal loses all but one rank's values silently."""
+    real = [d for d in differ if not d[2]]
+    if real:
+        raise ConfigError(
+            f"{_differ_text(real)} after the first step, though the join made them equal: this rack does not keep "
+            "them equal. rackmend takes a plain tensor (or a DTensor's Replicate placement) of a multi-rank learner "
+            "to be the same on every rank holding it: one rank sends it for all and the merged value overwrites "
+            "the others'. If each rank holds a different part of it (hand-made tensor parallelism), shard it as a "
+            "DTensor (FSDP2's fully_shard, parallelize_module); if the ranks train on different data, synchronise "
+            "their gradients (DistributedDataParallel)")
+    if differ:
+        log.warning("%s after the first step by rounding only (kernels that sum in varying order); each merge puts "
+                    "one value on every copy again", _differ_text(differ))
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -163,8 +192,17 @@ class RackPieces:
         self.layout = rank_layout(self.fragments, rack, self.rank)
         """This rank's blocks and owned pieces (what the learner core runs on)."""
         held_by = holders(self.fragments, rack)
-        if any(len(h.ranks) > 1 for per_fragment in held_by for per_tensor in per_fragment for h in per_tensor):
-            self._refuse_differing_copies(rack, held_by)
+        self._rack = rack
+        self._shared = [[any(self.rank in h.ranks and len(h.ranks) > 1 for h in per_tensor) for per_tensor in pf]
+                        for pf in held_by]
+        """Per fragment and tensor: whether other ranks hold copies of this rank's block."""
+        differ = self.differing_copies()
+        if differ:
+            # The join puts the owner's value on every copy, and DDP wrapped later keeps them
+            # equal; whether the rack keeps them equal shows after its first step (the
+            # driver calls this again then).
+            log.warning("%s at construction; the join will make them equal. If the rack keeps them equal (DDP, "
+                        "one seed per rank) all is well; if not, the first step raises", _differ_text(differ))
         groups: dict[tuple[int, ...], Any] = {}
         for f, per_fragment in zip(self.fragments, held_by):
             for i, per_tensor in enumerate(per_fragment):
@@ -272,38 +310,44 @@ class RackPieces:
                 "sharded as DTensors, with the same ScheduleConfig; pipeline parallelism, where ranks hold "
                 "different layers, is not supported")
 
-    def _refuse_differing_copies(self, rack: list[list[list[Piece | None]]], held_by: list[list[list[Any]]]) -> None:
-        """Raise where ranks holding the same block of a parameter hold different values
-        (``differing_copies``): one owner would send its block for all of them and the
-        merged value would overwrite the others', silently. One all-gather of a
-        fingerprint per tensor, once, at construction (before the join makes the copies
-        equal and so hides it); only blocks that several ranks hold are read."""
-        row = torch.zeros((sum(len(ts) for ts in self.local), 2), dtype=torch.int64)  # [present, fingerprint]
+    def differing_copies(self) -> list[tuple[str, dict[int, int], bool]]:
+        """The parameters whose copies (a block several ranks hold) differ between those
+        ranks: (name, {rank: bit sum}, whether the difference is only rounding: sums equal
+        to 1e-6 of the sum of magnitudes, as kernels summing in varying order leave). One
+        all-gather of a few numbers per tensor; only shared blocks are read. Collective."""
+        if not self.distributed or not any(any(f) for f in self._shared):
+            return []  # the same on every rank: ``_shared`` comes from the gathered blocks
+        row = torch.zeros((sum(len(ts) for ts in self.local), 4), dtype=torch.int64)
+        """Per tensor: present, bit sum, then the sum and the sum of magnitudes (float64 bits)."""
         k = 0
-        for ts, per_fragment in zip(self.local, held_by):
-            for t, per_tensor in zip(ts, per_fragment):
-                shared = any(self.rank in h.ranks and len(h.ranks) > 1 for h in per_tensor)
-                summary = bit_sum(t) if shared else None
-                if summary is not None:
-                    row[k] = torch.stack([torch.ones((), dtype=torch.int64), summary.cpu()])
+        for ts, shared in zip(self.local, self._shared):
+            for t, mine in zip(ts, shared):
+                bits = bit_sum(t) if mine else None
+                if bits is not None:
+                    row[k, :2] = torch.stack([torch.ones((), dtype=torch.int64), bits.cpu()])
+                    if t.is_floating_point():
+                        sums = torch.stack([t.detach().sum(dtype=torch.float64),
+                                            torch.linalg.vector_norm(t.detach(), ord=1, dtype=torch.float64)])
+                        row[k, 2:] = sums.cpu().view(torch.int64)
                 k += 1
-        prints = []
+        prints, sums = [], []
         for got in self._all_gather(row):
-            flat = iter([int(v) if present else None for present, v in got.tolist()])
-            prints.append([[next(flat) for _ in ts] for ts in self.local])
-        differ = differing_copies(self.fragments, rack, prints)
-        if differ:
-            named = "; ".join(f"{name} (ranks {', '.join(map(str, sorted(seen)))}: "
-                              f"{len(set(seen.values()))} different values)" for name, seen in differ[:3])
-            raise ConfigError(
-                f"{len(differ)} parameters that several ranks of this rack hold as copies of one block differ "
-                f"between those ranks: {named}{' ...' if len(differ) > 3 else ''}. rackmend takes a plain tensor "
-                "(or a DTensor's Replicate placement) of a multi-rank learner to be the same on every rank holding "
-                "it (DDP): one rank would send it for all and the merged value would overwrite the others'. If each "
-                "rank holds a different part of it (hand-made tensor parallelism, FSDP1's flat parameters), shard "
-                "it as a DTensor (FSDP2's fully_shard, parallelize_module); if these are replicas not made equal "
-                "yet (each rank initialised with its own seed), seed every rank alike, or build "
-                "RackmendOptimizer after DistributedDataParallel has broadcast rank 0's parameters")
+            present, bits = got[:, 0].tolist(), got[:, 1].tolist()
+            prints.append(self._per_tensor([b if ok else None for ok, b in zip(present, bits)]))
+            sums.append(self._per_tensor(got[:, 2:].contiguous().view(torch.float64).tolist()))
+        out = []
+        where = {spec.name: (f.index, i) for f in self.fragments for i, spec in enumerate(f.tensors)}
+        for name, seen in differing_copies(self.fragments, self._rack, prints):
+            p, i = where[name]
+            totals = [sums[r][p][i] for r in seen]
+            scale = max(abs(m) for _, m in totals) or 1.0
+            out.append((name, seen, max(t for t, _ in totals) - min(t for t, _ in totals) <= 1e-6 * scale))
+        return out
+
+    def _per_tensor(self, flat: list[Any]) -> list[list[Any]]:
+        """A list with one entry per tensor of every fragment, split per fragment."""
+        it = iter(flat)
+        return [[next(it) for _ in ts] for ts in self.local]
 
     def _gather_blocks(self, mine: list[list[Piece | None]]) -> list[list[list[Piece | None]]]:
         """Every rank's blocks (``mine`` is this rank's), as int64 tensors (no pickling):

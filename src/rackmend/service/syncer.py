@@ -694,9 +694,11 @@ class SyncerService:
             # yet timed out), which a relaunch sharded another way replaces as its ranks say
             # hello: wait for their hellos rather than refuse the new run for pieces its
             # predecessor declared. A new hello of every rank is then checked by itself.
+            reason = f"with the pieces ranks {sorted(connected)} declared when they connected: {problem}"
             self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(r for r in ranks if r not in connected),
-                        world=hello.world, waiting_for=sorted(connected),
-                        reason=f"with the pieces ranks {sorted(connected)} declared when they connected: {problem}")
+                        world=hello.world, waiting_for=sorted(connected), reason=reason)
+            log.info("learner %s: rank %d waits for ranks %s to say hello again (a relaunch sharded another way?) "
+                     "before its pieces are checked; %s", lid, hello.rank, sorted(connected), reason)
             return []
         if problem is not None:
             reason = (f"learner {lid}'s ranks do not share its tensors out exactly: {problem}. Each rank must "
@@ -711,7 +713,7 @@ class SyncerService:
             for i in gate:
                 self._reply_error(i, "fatal", reason)
             del self._gate[lid]
-            if was_peer and self.core is not None:
+            if was_peer and self.core is not None and not any(p.learner_id == lid for p in self.peers.values()):
                 self._drive(LearnerLeft(lid, "refused"))
             return []
         del self._gate[lid]
