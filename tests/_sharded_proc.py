@@ -179,6 +179,8 @@ def main() -> int:
     p.add_argument("--applied-out", type=Path)
     p.add_argument("--mixed", action="store_true", help="fsdp: bf16 compute (MixedPrecisionPolicy)")
     p.add_argument("--id-per-rank", action="store_true", help="a user's mistake: learner id <id>-<rank>")
+    p.add_argument("--nudge", action="store_true",
+                   help="after the join the last rank scales its parameters by 1 + 2**-22 (a rounding-level drift)")
     p.add_argument("--data-per-rank", action="store_true",
                    help="each rank trains on batches of its own (without DDP nothing keeps plain copies equal)")
     p.add_argument("--checkpoint", type=Path, help="torch.distributed.checkpoint directory (with --checkpoint-at)")
@@ -214,6 +216,10 @@ def main() -> int:
 
     if a.resume:
         resume(model, opt, a.resume, rank)
+    if a.nudge and rank == world - 1:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 + 2**-22)
     first = held_out_loss()
     try:
         for t in range(a.first_step, a.steps + 1):

@@ -201,8 +201,9 @@ class RackPieces:
             # The join puts the owner's value on every copy, and DDP wrapped later keeps them
             # equal; whether the rack keeps them equal shows after its first step (the
             # driver calls this again then).
-            log.warning("%s at construction; the join will make them equal. If the rack keeps them equal (DDP, "
-                        "one seed per rank) all is well; if not, the first step raises", _differ_text(differ))
+            log.warning("%s at construction; the join will make them equal. If the rack keeps them equal (DDP, or "
+                        "the same batches on every rank) all is well; if not, the first step raises",
+                        _differ_text(differ))
         groups: dict[tuple[int, ...], Any] = {}
         for f, per_fragment in zip(self.fragments, held_by):
             for i, per_tensor in enumerate(per_fragment):
@@ -325,10 +326,12 @@ class RackPieces:
                 bits = bit_sum(t) if mine else None
                 if bits is not None:
                     row[k, :2] = torch.stack([torch.ones((), dtype=torch.int64), bits.cpu()])
-                    if t.is_floating_point():
-                        sums = torch.stack([t.detach().sum(dtype=torch.float64),
-                                            torch.linalg.vector_norm(t.detach(), ord=1, dtype=torch.float64)])
-                        row[k, 2:] = sums.cpu().view(torch.int64)
+                    # NaN (never "rounding") where sums of magnitudes mean nothing: integers.
+                    sums = torch.stack([t.detach().sum(dtype=torch.float64),
+                                        torch.linalg.vector_norm(t.detach(), ord=1, dtype=torch.float64)]
+                                       ).cpu() if t.is_floating_point() else torch.full((2,), float("nan"),
+                                                                                       dtype=torch.float64)
+                    row[k, 2:] = sums.view(torch.int64)
                 k += 1
         prints, sums = [], []
         for got in self._all_gather(row):
