@@ -53,7 +53,8 @@ def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Pat
     assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
     if ranks > 1:  # every fragment came from its owner rank: p mod 2
         hellos = [e for e in events(tmp_path) if e["event"] == "join"]
-        assert len(hellos) == len(ids) * ranks
+        assert sorted((e["learner"], e["rank"], e["world"]) for e in hellos) == sorted(
+            (lid, r, ranks) for lid in ids for r in range(ranks)), "each rank's join names it"
         assert not [e for e in events(tmp_path) if e["event"] == "superseded"], "a fragment was sent twice"
 
 

@@ -664,7 +664,12 @@ class SyncerService:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
             if isinstance(action, LogRecord):
-                self._record(action.record)
+                # The core knows learners, not ranks: each rank of a multi-rank learner
+                # joins, so its join says which.
+                record = action.record
+                if record["event"] == "join":
+                    record = {**record, "rank": rank, "world": hello.world}
+                self._record(record)
         for upd in self.core.current:
             if peer.owns(upd.fragment):
                 self._send_update(ident, upd, self._update_frames(peer, upd, reset=True), reset=True)
