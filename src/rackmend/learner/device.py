@@ -3,8 +3,8 @@
 - **Snapshots.** A due fragment's pieces go to pinned host buffers (reused per
   fragment) on a side stream, queued behind the step's kernels; the training thread
   does not wait for them. Buffers, which the next forward pass writes in place, are
-  copied from a device clone taken at once. ``ready(p)`` hands the copy's event to the send thread
-  (``rackmend.learner.sending``), which waits for it before it reads the buffers. The
+  copied from a device clone taken at once. ``ready(p)`` hands the copy's event to the
+  send thread (``rackmend.learner.sending``), which waits for it before it reads them. The
   parameters must not change before the copy has read them: ``guard_writes`` makes the
   current stream wait for it (on the device) before the next write (the inner step,
   an apply), so the copy overlaps the next forward and backward.
@@ -70,9 +70,8 @@ class CudaCopies:
 
     # ------------------------------------------------------------------ snapshots
     @torch.no_grad()
-    def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool, in_flight: int,
-                 owns: bool = True, forward_writes: Sequence[bool] = ()
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool, in_flight: int, owns: bool,
+                 forward_writes: Sequence[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Fragment p's pieces for ``SnapshotTaken``: (host pieces, at-send copy or None).
         The host pieces are pinned buffers the copy is still filling (``ready(p)``). A rank
         that sends nothing of p (``owns`` False) needs only the copy kept for the apply.
@@ -87,8 +86,7 @@ class CudaCopies:
             self._pinned[p] = buffers
         # Written by the next forward before the copy may have read them: copied from a
         # clone taken now on the current stream (buffers are small).
-        written = [bool(w) for w in forward_writes] + [False] * (len(params) - len(forward_writes))
-        sources = [t.detach().clone() if w else t.detach() for t, w in zip(params, written)]
+        sources = [t.detach().clone() if w else t.detach() for t, w in zip(params, forward_writes, strict=True)]
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -97,7 +95,7 @@ class CudaCopies:
             # Blocking: the send thread sleeps in its wait instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
-        for src, w in zip(sources, written):
+        for src, w in zip(sources, forward_writes):
             if w:  # made on the current stream, read on the copy stream
                 src.record_stream(stream)
         self._copied[p] = done

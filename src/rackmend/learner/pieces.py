@@ -193,17 +193,9 @@ class RackPieces:
         """This rank's blocks and owned pieces (what the learner core runs on)."""
         held_by = holders(self.fragments, rack)
         self._rack = rack
-        self._shared = [[any(self.rank in h.ranks and len(h.ranks) > 1 for h in per_tensor) for per_tensor in pf]
-                        for pf in held_by]
-        """Per fragment and tensor: whether other ranks hold copies of this rank's block."""
-        differ = self.differing_copies()
-        if differ:
-            # The join puts the owner's value on every copy, and DDP wrapped later keeps them
-            # equal; whether the rack keeps them equal shows after its first step (the
-            # driver calls this again then).
-            log.warning("%s at construction; the join will make them equal. If the rack keeps them equal (DDP, or "
-                        "the same batches on every rank) all is well; if not, the first step raises",
-                        _differ_text(differ))
+        self._copies = any(len(h.ranks) > 1 for per_fragment in held_by for per_tensor in per_fragment
+                           for h in per_tensor)
+        """Whether any rank holds a block another holds too (the same on every rank)."""
         groups: dict[tuple[int, ...], Any] = {}
         for f, per_fragment in zip(self.fragments, held_by):
             for i, per_tensor in enumerate(per_fragment):
@@ -215,6 +207,14 @@ class RackPieces:
                         groups[held.ranks] = self._new_group(held.ranks)
                     if held.block == mine[f.index][i]:
                         self._replicas[f.index][i] = (self._global(held.owner), groups[held.ranks])
+        differ = self.differing_copies()
+        if differ:
+            # The join puts the owner's value on every copy, and DDP wrapped later keeps them
+            # equal; whether the rack keeps them equal shows after its first step (the
+            # driver calls this again then).
+            log.warning("%s at construction; the join will make them equal. If the rack keeps them equal (DDP, or "
+                        "the same batches on every rank) all is well; if not, the first step raises",
+                        _differ_text(differ))
 
     # ------------------------------------------------------------------ collectives
     def check_learner_id(self, learner_id: str) -> None:
@@ -316,14 +316,14 @@ class RackPieces:
         ranks: (name, {rank: bit sum}, whether the difference is only rounding: sums equal
         to 1e-6 of the sum of magnitudes, as kernels summing in varying order leave). One
         all-gather of a few numbers per tensor; only shared blocks are read. Collective."""
-        if not self.distributed or not any(any(f) for f in self._shared):
-            return []  # the same on every rank: ``_shared`` comes from the gathered blocks
+        if not self.distributed or not self._copies:
+            return []  # the same decision on every rank: nobody enters the all-gather alone
         row = torch.zeros((sum(len(ts) for ts in self.local), 4), dtype=torch.int64)
         """Per tensor: present, bit sum, then the sum and the sum of magnitudes (float64 bits)."""
         k = 0
-        for ts, shared in zip(self.local, self._shared):
-            for t, mine in zip(ts, shared):
-                bits = bit_sum(t) if mine else None
+        for ts, replicas in zip(self.local, self._replicas):
+            for t, replica in zip(ts, replicas):
+                bits = bit_sum(t) if replica is not None else None
                 if bits is not None:
                     row[k, :2] = torch.stack([torch.ones((), dtype=torch.int64), bits.cpu()])
                     # NaN (never "rounding") where sums of magnitudes mean nothing: integers.

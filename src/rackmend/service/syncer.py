@@ -159,7 +159,7 @@ class ServiceConfig:
 
     progress_every: float = 30.0
     """Seconds between the progress lines logged at INFO: the merges since the last line,
-    each fragment's latest version and the learners merged (or, with learners connected
+    each fragment's latest version and the learners merged in them (or, with learners connected
     and nothing merged, that no merge happened). 0: none. Every merge is in the
     ``log_path`` file either way."""
 
@@ -263,12 +263,11 @@ class _Gated:
 
 @dataclass
 class _Progress:
-    """What the next progress line sums up: merges since ``at``."""
+    """What the next progress line sums up: merges since ``at`` and who was merged (the
+    latest versions are ``SyncerService._last_merge``'s)."""
 
     at: float
     merges: int = 0
-    versions: dict[int, int] = field(default_factory=dict)
-    """Per fragment, the latest version merged."""
     learners: set[str] = field(default_factory=set)
 
 
@@ -957,6 +956,8 @@ class SyncerService:
                     self._last_merge[action.record["fragment"]] = {
                         "t": action.record["t"], "version": action.record["version"],
                         "merged": list(action.record["merged"])}
+                    self._progress.merges += 1
+                    self._progress.learners.update(action.record["merged"])
             elif isinstance(action, SendMomentUpdate):
                 frames = None
                 for ident, peer in self.peers.items():
@@ -1231,7 +1232,7 @@ class SyncerService:
         if not every or now - pr.at < every:
             return
         if pr.merges:
-            versions = ", ".join(f"{p}: v{v}" for p, v in sorted(pr.versions.items()))
+            versions = ", ".join(f"{p}: v{m['version']}" for p, m in sorted(self._last_merge.items()))
             log.info("progress: %d merges in the last %.1f s (latest versions %s); learners merged: %s", pr.merges,
                      now - pr.at, versions, ", ".join(sorted(pr.learners)))
         elif self.peers:
@@ -1240,10 +1241,6 @@ class SyncerService:
         self._progress = _Progress(at=now)
 
     def _record(self, record: dict) -> None:
-        if record["event"] == "merge":
-            self._progress.merges += 1
-            self._progress.versions[record["fragment"]] = record["version"]
-            self._progress.learners.update(record["merged"])
         if record["event"] == "auth_denied":
             log.warning("auth denied: %s", record["reason"])
         elif record["event"] in WARNING_EVENTS:
