@@ -8,7 +8,8 @@ contribution, hello, heartbeat, leave, fetch, ack or init) put through one mutat
 bit flips, truncation, swapped header fields, wrong dtypes or shapes, extra or missing
 frames, counters past their bounds, NaN/inf in header or tensors, replays of earlier
 contributions, another learner's id (the live ``l0``), another protocol version,
-another message type, or plain garbage. After each one a sentinel message follows
+another message type, plain garbage, or a hello from a connection that never joined
+with one of its fields (``world`` and ``rank`` included) mutated (``HELLO_MUTATIONS``). After each one a sentinel message follows
 on the same connection, whose error reply marks the end of the replies to the
 mutated message (the syncer answers one connection in order), so each reply is
 attributed to its message exactly.
@@ -50,7 +51,7 @@ import msgpack
 import torch
 import zmq
 
-from rackmend.core.fragments import pack_fragments
+from rackmend.core.fragments import fingerprint, layout_from_wire, pack_fragments
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 
@@ -60,6 +61,60 @@ SENTINEL = "fuzz-sentinel"
 HANG_S = 10.0
 # Mutations that may turn a valid message into another valid one: not counted as must-refuse.
 MAY_PASS = {"valid", "bitflip", "swap", "type"}
+
+
+HELLO_MUTATIONS: list[tuple[tuple[str, Any], ...]] = [
+    # world and rank: the syncer sizes per-rank tables by them
+    (("world", 2**63),), (("world", 2**64 - 1),), (("world", 30_000_000),), (("world", wire.MAX_WORLD + 1),),
+    (("world", 0),), (("world", -1),), (("world", 1.5),), (("world", "2"),), (("world", None),), (("world", True),),
+    (("rank", 2**63),), (("rank", 1),), (("rank", -1),), (("rank", wire.MAX_WORLD),),
+    (("learner", ""),), (("learner", "x" * 200),), (("learner", 7),), (("learner", "a b"),),
+    (("fingerprint", "0" * 16),), (("fingerprint", 5),), (("fingerprint", None),),
+    # settings: every key, out of range, of the wrong type, missing or extra
+    (("settings", None),), (("settings", {}),), (("settings", []),),
+    (("settings.sync_every", 2**62),), (("settings.sync_every", 0),), (("settings.sync_every", 2**64 - 1),),
+    (("settings.sync_every", H + 1),), (("settings.sync_every", "4"),),
+    (("settings.num_fragments", 2**62),), (("settings.num_fragments", P + 1),), (("settings.num_fragments", 0),),
+    (("settings.overlap", 2**62),), (("settings.overlap", -1),), (("settings.overlap", H),),
+    (("settings.deterministic", 2),), (("settings.deterministic", None),),
+    (("settings.apply", "x"),), (("settings.apply", "auto"),), (("settings.apply", 3),),
+    (("settings.uplink", "int99"),), (("settings.uplink", "x" * 300),), (("settings.uplink", 5),),
+    (("settings.downlink", "powersgd:rank=-1"),),
+    (("settings.extra", 1),), (("settings.sync_every", None),),
+    (("settings.desloc", True),),  # its periods missing
+    (("settings.desloc", True), ("settings.desloc_ku", 2**62), ("settings.desloc_kv", 2**62),
+     ("settings.moments", "none")),
+    (("settings.desloc", False), ("settings.desloc_ku", H), ("settings.desloc_kv", H), ("settings.moments", "none")),
+    # the layout: structure, bounds, and a well-formed one that is not this run's model
+    (("layout", []),), (("layout", None),), (("layout", "x"),), (("layout.0", 5),), (("layout.0.index", 7),),
+    (("layout.0.offset", 2**63),), (("layout.0.offset", -1),), (("layout.0.tensors", 3),),
+    (("layout.0.tensors.0.1", [2**61, 2**61]),), (("layout.0.tensors.0.1", [1] * 100),),
+    (("layout.0.tensors.0.1", [-3]),), (("layout.0.tensors.0.1", [3, 5]),), (("layout.0.tensors.0.2", "complex128"),),
+    (("layout.0.tensors.0.2", "float16"),), (("layout.0.tensors.0", []),),
+    # pieces: junk, out of bounds, not this layout's
+    (("pieces", "x"),), (("pieces", [[[0, [0], [2**62]]]]),), (("pieces", [[[99, [0, 0], [1, 1]]], []]),),
+    (("pieces", [[[0, [0, 0], [1, 1]]]]),), (("pieces", [[[0, [0] * 9, [1] * 9]], []]),),
+]
+"""Mutations of a valid hello, one or more (path, value) pairs each (a path walks maps
+by key and lists by index; a layout edited to a well-formed one gets its matching
+fingerprint, so the check behind the fingerprint is reached). Every one must be refused."""
+
+
+def mutate_hello(header: dict[str, Any], mutation: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """A copy of a hello's ``header`` with ``mutation`` applied (see ``HELLO_MUTATIONS``)."""
+    h = msgpack.unpackb(msgpack.packb(header))  # a deep copy of plain values
+    for path, value in mutation:
+        *parents, last = path.split(".")
+        node: Any = h
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[int(last) if isinstance(node, list) else last] = value
+    if any(path.startswith("layout") for path, _ in mutation):
+        try:
+            h["fingerprint"] = fingerprint(layout_from_wire(h["layout"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass  # malformed: refused before the fingerprint is compared
+    return h
 
 
 def make_model() -> torch.nn.Module:
@@ -209,8 +264,8 @@ class Fuzzer:
         r = self.rng
         mutation = r.choices(
             ["valid", "bitflip", "truncate", "swap", "dtype", "shape", "frames", "counter", "nonfinite", "replay",
-             "spoof", "proto", "type", "garbage"],
-            [4, 14, 8, 6, 6, 6, 6, 10, 8, 6, 12, 4, 5, 5])[0]
+             "spoof", "proto", "type", "garbage", "hello"],
+            [4, 14, 8, 6, 6, 6, 6, 10, 8, 6, 12, 4, 5, 5, 8])[0]
         if peer.lid is None and mutation in ("valid", "replay"):
             mutation = "spoof"
         if mutation == "replay" and not self.sent_valid:
@@ -219,6 +274,9 @@ class Fuzzer:
             return mutation, "contrib", r.choice(self.sent_valid[-50:])
         if mutation == "garbage":
             return mutation, "?", [r.randbytes(r.randrange(1, 64)) for _ in range(r.randrange(1, 4))]
+        if mutation == "hello":  # a fresh id: the refusal comes from the field, not from 'busy'
+            valid = msgpack.unpackb(wire.hello_frames(f"fz{r.randrange(10**6)}", 0, 1, self.frags, self.settings)[0])
+            return mutation, "hello", [msgpack.packb(mutate_hello(valid, r.choice(HELLO_MUTATIONS)))]
         lid = LEARNER if mutation == "spoof" or peer.lid is None else peer.lid
         header, tensors = self.base(peer, lid)
         kind = header["type"]
@@ -237,8 +295,9 @@ class Fuzzer:
         elif mutation == "counter":
             key, value = r.choice([("c_tokens", 1e200), ("c_tokens", 1e300), ("c_tokens", float(2**63 - 1)),
                                    ("c_steps", 2**62), ("c_steps", -1), ("step_time", 1e300), ("step_time", -1.0),
-                                   ("session", 2**64 - 1), ("base_epoch", 2**60), ("seq", 0),
-                                   ("base_version", 2**40), ("fragment", P), ("fragment", 2**63), ("rank", 2**40)])
+                                   ("session", 2**64 - 1), ("base_epoch", 2**60), ("seq", 0), ("seq", 2**64 - 1),
+                                   ("base_version", 2**40), ("fragment", P), ("fragment", 2**63), ("rank", 2**40),
+                                   ("rank", 2**64 - 1), ("step", 2**64 - 1), ("base_version", 2**64 - 1)])
             header[key] = value
         elif mutation == "nonfinite":
             bad = r.choice([math.nan, math.inf, -math.inf])
@@ -279,6 +338,8 @@ class Fuzzer:
     def step(self) -> None:
         peer = self.peers[0] if self.rng.random() < 0.7 else self.rng.choice(self.peers[1:])
         mutation, kind, frames = self.mutate(peer)
+        if mutation == "hello":  # from a connection that never joined: one that holds an id keeps it
+            peer = self.rng.choice(self.peers[1:])
         must = mutation not in MAY_PASS
         replies = self.exchange(peer, frames)
         st = self.by_mutation.setdefault(mutation, {"sent": 0, "accepted": 0, "refused": 0})

@@ -230,10 +230,34 @@ def test_core_refuses_a_replayed_or_older_sequence_number() -> None:
     # A new session (the learner process restarted) starts its own numbering.
     fresh = contrib("a", torch.full((N,), 0.01), base=1, step=4, session=8, seq=1)
     assert events(core.handle(fresh, 2.0), "merge")
-    (old,) = events(core.handle(contrib("a", torch.full((N,), 0.01), base=2, step=16, session=7, seq=5), 3.0),
-                    "reject")
+    (old,) = events(core.handle(one, 3.0), "reject")  # the first session's message, replayed
     assert "earlier session" in old["reason"]
     assert core.versions[0] == 2
+
+
+def test_a_session_that_another_one_replaced_goes_on_where_it_left_off() -> None:
+    """A takeover without Curve: another connection spoke as 'a' (session 9) while the
+    real 'a' (session 7) was stopped. When 'a' comes back, its next sends merge; its
+    old ones stay replays. Before, session 7 was retired for good: 'a' never merged again."""
+    core = make_core(learners=("a",))
+    for seq in (1, 2, 3):
+        assert events(core.handle(contrib("a", torch.full((N,), 0.01), base=seq - 1, step=8 * seq, session=7,
+                                          seq=seq), float(seq)), "merge")
+    assert events(core.handle(contrib("a", torch.full((N,), 0.01), base=3, step=8, session=9, seq=1), 4.0), "merge")
+    back = contrib("a", torch.full((N,), 0.01), base=4, step=32, session=7, seq=4)
+    assert events(core.handle(back, 5.0), "merge"), "the returning session was locked out"
+    (again,) = events(core.handle(back, 6.0), "reject")
+    assert "replay" in again["reason"]
+    (old,) = events(core.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=1), 7.0),
+                    "reject")
+    assert "earlier session" in old["reason"]
+    restored = make_core(learners=("a",))
+    restored.load_state_dict(*core.state_dict())
+    (kept,) = events(restored.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=1), 8.0),
+                     "reject")
+    assert "earlier session" in kept["reason"], "a checkpoint forgot the earlier session's last seq"
+    assert events(restored.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=2), 9.0),
+                  "merge")
 
 
 # ------------------------------------------------------------------ live syncer, raw ZeroMQ client

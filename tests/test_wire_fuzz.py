@@ -324,6 +324,86 @@ def test_bad_input_is_rejected_and_logged(rig: Rig, case: tuple) -> None:
     assert rig.thread.is_alive()
 
 
+def _fuzz_module():  # type: ignore[no-untyped-def]
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import fuzz
+
+    return fuzz
+
+
+def test_every_hello_field_mutated_is_refused_quickly_and_the_syncer_serves_on(rig: Rig) -> None:
+    """Every entry of benchmarks/fuzz.py's HELLO_MUTATIONS from a connection that never
+    joined: an error reply within a bound, nothing joined, the service alive. Before the
+    bounds, world=2**63 raised OverflowError out of serve() (the syncer exited) and
+    world=30_000_000 stalled it for seconds."""
+    fuzz = _fuzz_module()
+    valid = msgpack.unpackb(wire.hello_frames("hz", 0, 1, rig.frags, LearnerSettings.from_config(CONFIG))[0])
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(rig.svc.endpoint)
+    slowest = 0.0
+    try:
+        for mutation in fuzz.HELLO_MUTATIONS:
+            t0 = time.monotonic()
+            stranger.send_multipart([msgpack.packb(fuzz.mutate_hello(valid, mutation))])
+            assert stranger.poll(5000), f"no answer to the hello mutated by {mutation}"
+            header = msgpack.unpackb(stranger.recv_multipart()[0])
+            slowest = max(slowest, time.monotonic() - t0)
+            assert header["type"] == "error" and header["code"] in ("bad_message", "fatal"), (mutation, header)
+            assert rig.thread.is_alive(), f"the syncer stopped after the hello mutated by {mutation}"
+    finally:
+        stranger.close()
+    assert not any(r["event"] == "join" and r["learner"] == "hz" for r in rig.records)
+    assert slowest < 2.0, f"a mutated hello took {slowest:.2f}s to refuse"
+
+
+def test_a_message_whose_handling_raises_is_dropped_and_the_syncer_serves_on() -> None:
+    """A fault that validation missed (here: a handler that raises for one learner id)
+    is logged with its peer and dropped; the syncer answers, serves the others, and stops
+    cleanly. Before, any exception left serve() and ended the process."""
+
+    class Faulty(SyncerService):
+        def _handle(self, ident: bytes, msg: wire.Message) -> None:
+            if msg.header.get("learner") == "boom":
+                raise OverflowError("injected: a fault past validation")
+            super()._handle(ident, msg)
+
+    svc = Faulty(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
+    records: list[dict] = []
+    record = svc._record
+    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    frags = pack_fragments(make_model(), 2, 4)
+    socks = []
+    try:
+        for lid in ("boom", "boom", "ok"):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(svc.endpoint)
+            socks.append(sock)
+            sock.send_multipart(wire.hello_frames(lid, 0, 1, frags, LearnerSettings.from_config(CONFIG)))
+            assert sock.poll(10_000), f"no answer to {lid}'s hello"
+            header = msgpack.unpackb(sock.recv_multipart()[0])
+            if lid == "boom":
+                assert header["type"] == "error" and "internal error" in header["reason"], header
+            else:
+                assert header["type"] == "init_request", header  # the next learner is served as usual
+            assert thread.is_alive()
+        errors = [r for r in records if r["event"] == "internal_error"]
+        assert len(errors) == 2 and "OverflowError" in errors[0]["reason"] and errors[0]["learner"] == "boom"
+    finally:
+        for sock in socks:
+            sock.close()
+        svc.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert any(r["event"] == "stopped" for r in records)
+
+
 def test_oversized_message_is_refused_and_service_keeps_serving(rig: Rig) -> None:
     merges_before = rig.merges_of_l0()
     before = len(rig.records)
@@ -353,13 +433,8 @@ def test_healthy_rounds_kept_completing_during_the_fuzz(rig: Rig) -> None:
 def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A few thousand messages of benchmarks/fuzz.py (every mutation class, attributed
     reply by reply) against a ``rackmend syncer`` process while a learner process trains."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import fuzz
-
+    fuzz = _fuzz_module()
     r = fuzz.run(3000, seed=1, warmup_s=2.0, workdir=tmp_path)
     assert (r["crashes"], r["hangs"], r["bad_accepted"], r["corruption"]) == (0, 0, 0, 0), r
-    assert r["messages"] == 3000 and r["must_refuse"] > 2000 and set(r["by_mutation"]) >= {"spoof", "replay"}
+    assert r["messages"] == 3000 and r["must_refuse"] > 2000 and set(r["by_mutation"]) >= {"spoof", "replay", "hello"}
     assert r["merge_rate_during"] > 0, "the healthy learner stopped merging during the fuzz"

@@ -47,7 +47,12 @@ __all__ = [
     "dtype_name",
     "layout_to_wire",
     "layout_from_wire",
+    "MAX_DIMS",
 ]
+
+MAX_DIMS = 32
+"""The most dimensions a tensor of a layout received may have (torch itself allows 25
+on some backends; a declared shape past this is junk, refused before it is used)."""
 
 
 @dataclass(frozen=True)
@@ -294,12 +299,16 @@ def layout_from_wire(raw: Any) -> list[FragmentSpec]:
         raise ValueError("layout: expected a non-empty list of fragments")
     out = []
     for i, f in enumerate(raw):
-        if not isinstance(f, dict) or f.get("index") != i or not isinstance(f.get("offset"), int):
+        offset = f.get("offset") if isinstance(f, dict) else None
+        if (not isinstance(f, dict) or f.get("index") != i or not isinstance(offset, int) or isinstance(offset, bool)
+                or not 0 <= offset < 2**62 or not isinstance(f.get("tensors", ()), (list, tuple))):
             raise ValueError(f"layout: fragment {i} is malformed")
         tensors = []
         for t in f.get("tensors", ()):
             if (not isinstance(t, list) or len(t) not in (4, 5) or not isinstance(t[0], str)
-                    or not isinstance(t[1], list) or not all(isinstance(d, int) and d >= 0 for d in t[1])
+                    or not isinstance(t[1], list) or len(t[1]) > MAX_DIMS
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in t[1])
+                    or math.prod(t[1]) >= 2**62
                     or t[2] not in _DTYPES or not all(isinstance(flag, bool) for flag in t[3:])):
                 raise ValueError(f"layout: a tensor of fragment {i} is malformed: {str(t)[:80]}")
             tensors.append(TensorSpec(t[0], tuple(t[1]), _DTYPES[t[2]], *t[3:]))

@@ -84,7 +84,8 @@ def owner(fragment: int, holders: Sequence[int]) -> int:
     ``fragment mod len(holders)``-th of them in ascending order. For a plain rack
     (every rank holds every tensor) that is rank ``fragment mod world``, so the
     fragments of a DDP rack are striped over its ranks."""
-    ranks = sorted(holders)
+    # A range (every rank of a plain rack) is ascending already: no list of world entries.
+    ranks = holders if isinstance(holders, range) and holders.step > 0 else sorted(holders)
     return ranks[fragment % len(ranks)]
 
 

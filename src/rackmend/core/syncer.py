@@ -137,6 +137,8 @@ the first send after an outage carries every step made during it (49x the usual 
 ``benchmarks/chaos.py``) and is honestly that much larger, but ``c_steps`` is the
 sender's word, so what a lie can buy is capped at this multiple."""
 
+MAX_SEQ = 2**63 - 1
+"""The largest sequence number the wire carries."""
 RETIRED_SESSIONS = 16
 """Per (learner, fragment), how many earlier sessions are remembered so that replays
 of their messages are refused; a learner restarted more often than this within one
@@ -413,8 +415,11 @@ class SyncerCore:
         """Per fragment, the ``c_steps`` behind those norms (the guard's usual amount of work)."""
         self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
         """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
-        self.retired_sessions: dict[tuple[str, int], list[int]] = {}
-        """Per (learner, fragment), earlier sessions, newest last (at most RETIRED_SESSIONS)."""
+        self.retired_sessions: dict[tuple[str, int], dict[int, int]] = {}
+        """Per (learner, fragment), earlier sessions and the highest ``seq`` accepted of each,
+        newest last (at most RETIRED_SESSIONS). An earlier session may go on past that seq:
+        a learner whose id another connection used meanwhile (a takeover while it was
+        stopped) comes back in its own session and must not be locked out."""
         downlink = config.compression.build_downlink()
         self.downlink: FeedbackEncoder | None = None if downlink.lossless else FeedbackEncoder(downlink)
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
@@ -560,7 +565,7 @@ class SyncerCore:
             "learners": sorted(self.members),
             # A restarted syncer must still refuse replays of what it merged before, and
             # keep the guard's scale rather than start unguarded.
-            "sequences": [[lid, p, sess, seq, self.retired_sessions.get((lid, p), [])]
+            "sequences": [[lid, p, sess, seq, [list(r) for r in self.retired_sessions.get((lid, p), {}).items()]]
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
             "norm_steps": [list(n) for n in self.norm_steps],
@@ -619,7 +624,10 @@ class SyncerCore:
         # .get: checkpoints written before the replay and norm guards lack these.
         for lid, p, sess, seq, retired in meta.get("sequences", []):
             self.sequences[(lid, int(p))] = (int(sess), int(seq))
-            self.retired_sessions[(lid, int(p))] = [int(r) for r in retired]
+            # Before the seq of retired sessions was kept, any send of one was refused.
+            self.retired_sessions[(lid, int(p))] = {
+                int(r[0]) if isinstance(r, list) else int(r): int(r[1]) if isinstance(r, list) else MAX_SEQ
+                for r in retired}
         for p, norms in enumerate(meta.get("norms", [])[: len(self.fragments)]):
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
         for p, steps in enumerate(meta.get("norm_steps", [])[: len(self.fragments)]):
@@ -806,8 +814,9 @@ class SyncerCore:
             if c.seq <= current[1]:
                 return (f"replay or older send: seq {c.seq} of session {c.session}, "
                         f"seq {current[1]} was accepted already")
-        elif c.session in self.retired_sessions.get(key, ()):
-            return f"replay: from an earlier session {c.session} of this learner, since replaced"
+        elif c.seq <= self.retired_sessions.get(key, {}).get(c.session, 0):
+            return (f"replay: seq {c.seq} of the earlier session {c.session} of this learner, "
+                    f"seq {self.retired_sessions[key][c.session]} of it was accepted already")
         return None
 
     def _note_sequence(self, c: Contribution) -> None:
@@ -816,9 +825,11 @@ class SyncerCore:
         key = (c.learner_id, c.fragment)
         current = self.sequences.get(key)
         if current is not None and current[0] != c.session:
-            retired = self.retired_sessions.setdefault(key, [])
-            retired.append(current[0])
-            del retired[:-RETIRED_SESSIONS]
+            retired = self.retired_sessions.setdefault(key, {})
+            retired.pop(c.session, None)  # current again
+            retired[current[0]] = current[1]
+            for old in list(retired)[:-RETIRED_SESSIONS]:
+                del retired[old]
         self.sequences[key] = (c.session, c.seq)
 
     def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:

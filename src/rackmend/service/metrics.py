@@ -51,10 +51,12 @@ UNJOINED = "_unjoined"
 """The learner label of bytes to and from connections that have not joined (strangers,
 ``rackmend status`` clients)."""
 
-MESSAGE_REFUSALS = ("bad_message", "unknown_peer", "identity_refused", "settings_refused", "auth_denied")
+MESSAGE_REFUSALS = ("bad_message", "unknown_peer", "identity_refused", "settings_refused", "auth_denied",
+                    "internal_error")
 """Service-level refusals (the event each is logged as): a malformed message, one from
 a connection that has not joined, one naming a learner rank held elsewhere, a hello
-whose settings or layout do not fit the run, a Curve key refused or not allowed the id."""
+whose settings or layout do not fit the run, a Curve key refused or not allowed the id,
+a message whose handling raised (a fault validation missed: dropped, the service goes on)."""
 
 FAILSLOW_STATES = {"normal": 0, "slow": 1, "evict": 2}
 """Values of ``rackmend_learner_failslow_state``."""

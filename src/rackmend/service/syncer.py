@@ -67,9 +67,13 @@ log = logging.getLogger("rackmend.syncer")
 STRANGER_MAX_BYTES = wire.MAX_HEADER_BYTES + (64 << 10)
 """Largest message taken from a connection that has not joined (a hello is one header
 frame): junk from strangers never needs more memory than this past ZeroMQ."""
-AUTO_ZMQ_CAP = 1 << 31
-"""ZeroMQ's pre-read cap (fixed when the socket binds) when neither the operator nor a
-checkpoint gives the model's size: the layout arrives later, with the first hello."""
+AUTO_ZMQ_CAP = 256 << 20
+"""ZeroMQ's pre-read cap (fixed when the socket binds) when neither the operator
+(``--max-message-mb``) nor a checkpoint gives the model's size: the layout arrives later,
+with the first hello. ZeroMQ reads a whole message into memory before the syncer sees
+it, so this bounds what one connection that never joined can cost (three strangers'
+512 MiB messages cost +1.5 GiB RSS under the former 2 GiB cap). A first learner whose
+largest fragment needs more is refused by name, pointing at ``--max-message-mb``."""
 MAX_QUEUED_REPLIES = 16
 """Error and receipt replies held per connection that reads none of them; more are
 dropped (counted as ``replies_dropped``): a peer that never reads costs bounded memory."""
@@ -120,10 +124,11 @@ class ServiceConfig:
     larger ones are rejected (logged, answered). Beyond twice this
     ZeroMQ drops the sender's connection before reading the message into memory.
     None: follow the model, its largest fragment plus the header bound (with
-    ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap stays at
-    2 GiB, since the model is not known when the socket binds, and the ``message_limit``
-    event names the value to pass). Connections that have not joined are held to
-    ``STRANGER_MAX_BYTES`` (or this, if smaller) either way."""
+    ``resume`` ZeroMQ's cap follows it too; on a fresh start ZeroMQ's cap is
+    ``AUTO_ZMQ_CAP``, 256 MiB, since the model is not known when the socket binds: a
+    first learner whose largest fragment needs more is refused, naming the value to
+    pass, and the ``message_limit`` event names it too). Connections that have not
+    joined are held to ``STRANGER_MAX_BYTES`` (or this, if smaller) either way."""
 
     takeover_after: float = 5.0
     """Seconds a learner rank must have been silent before a hello for its id and rank
@@ -390,7 +395,8 @@ class SyncerService:
         # applies to connections accepted after the bind, so it cannot follow the layout
         # of a fresh run; the per-message checks in _on_message do.
         limit = self._message_limit()
-        self.sock.setsockopt(zmq.MAXMSGSIZE, AUTO_ZMQ_CAP if limit is None else 2 * limit)
+        self._zmq_cap = AUTO_ZMQ_CAP if limit is None else 2 * limit
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self._zmq_cap)
         self._setup_curve()
         self.sock.bind(service.bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -477,6 +483,17 @@ class SyncerService:
             self.rejected_messages += 1
             self._peer_event(ident, "bad_message", peer=ident.hex(), reason=str(exc))
             self._reply_error(ident, "bad_message", str(exc))
+        except Exception as exc:  # noqa: BLE001 - one message must never end the service for everyone
+            # A fault that validation missed: drop this message, keep serving. The state
+            # it reached is whatever the handler had done before raising (each handler
+            # checks before it changes anything, so that is usually nothing).
+            self.rejected_messages += 1
+            kind = msg.type if msg is not None else "?"
+            lid = str(msg.header.get("learner", "")) if msg is not None else ""
+            reason = f"internal error handling a {kind} message: {type(exc).__name__}: {str(exc)[:300]}"
+            if self._peer_event(ident, "internal_error", peer=ident.hex(), learner=lid, type=kind, reason=reason):
+                log.exception("%s from peer %s (learner %r); message dropped, serving on", reason, ident.hex(), lid)
+            self._reply_error(ident, "rejected", reason)
         finally:
             lid = msg.header.get("learner", "") if msg is not None else ""
             stats = self._stats.get(lid)
@@ -568,7 +585,7 @@ class SyncerService:
             if not self._ranks_of(lid):
                 self._stats[lid].state = "left"
                 self._forget_pieces(lid, "the learner left")
-                self._drive(LearnerLeft(lid, "leave"))
+                self._drive(LearnerLeft(lid, "leave"), ident=ident)
             return
         if msg.type == "fetch":
             self._fetch(ident, peer, msg)
@@ -615,6 +632,17 @@ class SyncerService:
         cover every tensor (``_through_gate``)."""
         if not self._may_take(ident, msg.header["learner"], msg.header["rank"]):
             return  # before parsing: a storm of hellos costs a dictionary scan each
+        held = self.peers.get(ident)
+        if held is not None and (held.learner_id, held.rank) != (msg.header["learner"], msg.header["rank"]):
+            # One connection speaks for one learner rank (a link never changes id): else one
+            # socket could park any number of ids in every round's membership.
+            self.rejected_messages += 1
+            reason = (f"this connection holds learner {held.learner_id} rank {held.rank}; a hello as "
+                      f"{msg.header['learner']} rank {msg.header['rank']} needs a connection of its own")
+            self._peer_event(ident, "identity_refused", peer=ident.hex(), learner=msg.header["learner"],
+                             rank=msg.header["rank"], type="hello", reason=reason)
+            self._reply_error(ident, "fatal", reason)
+            return
         hello = wire.parse_hello(msg)
         lid, rank, layout = hello.learner_id, hello.rank, hello.layout
         worlds = {p.world for i, p in self.peers.items() if i != ident and p.learner_id == lid}
@@ -668,6 +696,10 @@ class SyncerService:
                 record = action.record
                 if record["event"] == "join":
                     record = {**record, "rank": rank, "world": hello.world}
+                    # Per connection: a hello storm (ids are first-come without --learners)
+                    # costs a bounded number of log lines, the rest counted in 'suppressed'.
+                    if not self._limiter.allow(("join", ident), self.clock(), peer=ident.hex()):
+                        continue
                 self._record(record)
         for upd in self.core.current:
             if peer.owns(upd.fragment):
@@ -807,6 +839,16 @@ class SyncerService:
                 "how they are split (ScheduleConfig sync_every, num_fragments, packing, sync_buffers) differ from "
                 "the model this syncer trains. Start it from the same model definition and config, or start a "
                 "fresh syncer (without --resume) for a new model"))
+        needed = layout_message_limit(hello.layout)
+        if mismatch is None and layout is None and self.service.max_message_bytes is None and needed > self._zmq_cap:
+            # The first learner sets the model. ZeroMQ's cap, fixed at the bind before the model
+            # was known, would cut its larger messages off unread: it would retry for ever.
+            mb = math.ceil(needed / 2**20)
+            mismatch = Mismatch("message_limit", needed, self._zmq_cap, (
+                f"learner {lid}'s largest fragment needs messages of up to {mb} MiB; this syncer was started "
+                f"without knowing the model's size and reads at most {self._zmq_cap >> 20} MiB per message. "
+                f"Restart it with --max-message-mb {mb}, or split the model into more fragments "
+                "(ScheduleConfig.num_fragments)"))
         problem = pieces_problem(hello.layout, hello.pieces) if mismatch is None and hello.pieces is not None else None
         if problem is not None:
             mismatch = Mismatch("pieces", None, None, (
@@ -923,7 +965,9 @@ class SyncerService:
             self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
                         zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
-    def _drive(self, event: Event) -> None:
+    def _drive(self, event: Event, ident: bytes | None = None) -> None:
+        """Feed ``event`` to the core and carry out its actions. ``ident``: the connection
+        whose message caused it, whose ``leave`` records are rate-limited per connection."""
         assert self.core is not None
         t0 = self.clock()
         merged: list[int] = []
@@ -942,8 +986,13 @@ class SyncerService:
             elif isinstance(action, LogRecord):
                 record = action.record
                 self.metrics.record(record)  # before the log's rate limit: metrics count every one
-                if record["event"] != "reject" or self._limiter.allow(("reject", record["learner"]), t0,
-                                                                      learner=record["learner"]):
+                if record["event"] == "reject":
+                    logged = self._limiter.allow(("reject", record["learner"]), t0, learner=record["learner"])
+                elif record["event"] == "leave" and ident is not None:
+                    logged = self._limiter.allow(("leave", ident), t0, peer=ident.hex())
+                else:
+                    logged = True
+                if logged:
                     self._record(record)
                 if record["event"] == "reject":
                     if record["learner"] in self._stats:
@@ -1017,12 +1066,14 @@ class SyncerService:
     def _reply_error(self, ident: bytes, code: str, reason: str) -> None:
         self._send(ident, wire.encode({"type": "error", "code": code, "reason": reason}), droppable=True)
 
-    def _peer_event(self, ident: bytes, event: str, **fields: Any) -> None:
+    def _peer_event(self, ident: bytes, event: str, **fields: Any) -> bool:
         """A record of bad input from one connection, rate-limited per connection and kind
-        (counted in the metrics, by ``event``, whether logged or not)."""
+        (counted in the metrics, by ``event``, whether logged or not). Whether it was logged."""
         self.metrics.refusal(event)
         if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
             self._event(event, **fields)
+            return True
+        return False
 
     def _auth_denied(self, text: str) -> None:
         """A refused Curve handshake, from the authenticator's thread. A client with an

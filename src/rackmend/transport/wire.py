@@ -34,6 +34,8 @@ __all__ = [
     "CODEC_NONE",
     "MAX_EPOCH",
     "MAX_HEADER_BYTES",
+    "MAX_WORLD",
+    "MAX_SYNC_EVERY",
     "WireError",
     "valid_learner_id",
     "Message",
@@ -104,6 +106,14 @@ SYNCER_RECEIVES = LEARNER_TYPES + CLIENT_TYPES
 STATUS_REPLY_TYPES = ("status_reply", "error")
 """What a status client accepts (an older syncer answers ``error`` ``bad_message``)."""
 MAX_NONCE = 2**63 - 1
+MAX_WIRE_INT = 2**63 - 1
+"""The largest integer any field may carry (msgpack also encodes unsigned 64-bit ones)."""
+MAX_WORLD = 1 << 16
+"""The most ranks one learner (one torchrun rack) may declare; a hello claiming more is
+refused at parse time, before the syncer sizes anything by it."""
+MAX_SYNC_EVERY = 1 << 24
+"""The largest ``sync_every`` (and DES-LOC period) a hello may carry: 16M inner steps
+between syncs is far past any useful schedule, and the syncer's counters stay small."""
 
 
 def valid_learner_id(lid: str) -> bool:
@@ -283,7 +293,11 @@ def status_reply_frames(nonce: int, status: dict[str, Any]) -> list[Any]:
 
 
 # ------------------------------------------------------------------------ receiving
-def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...], *, minimum: float | None = None) -> Any:
+def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...], *, minimum: float | None = None,
+           maximum: float | None = None) -> Any:
+    """``h[key]``, checked: its type, finite, within [minimum, maximum]. Every integer is
+    held to ``MAX_WIRE_INT`` at most even without a ``maximum``: nothing a peer sends may
+    size an allocation or a loop beyond what the field means."""
     if key not in h:
         raise WireError(f"header lacks field {key!r}")
     v = h[key]
@@ -293,6 +307,10 @@ def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...], *, minimu
         raise WireError(f"field {key!r} must be finite, got {v}")
     if minimum is not None and v < minimum:
         raise WireError(f"field {key!r} must be >= {minimum}, got {v}")
+    if isinstance(v, int) and not isinstance(v, bool) and maximum is None:
+        maximum = MAX_WIRE_INT
+    if maximum is not None and v > maximum:
+        raise WireError(f"field {key!r} must be <= {maximum}, got {str(v)[:30]}")
     return v
 
 
@@ -326,7 +344,7 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
         lid = _field(header, "learner", str)
         if not _LEARNER_ID.fullmatch(lid):
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
-        _field(header, "rank", int, minimum=0)
+        _field(header, "rank", int, minimum=0, maximum=MAX_WORLD - 1)
     return Message(kind, header, views[1:])
 
 
@@ -371,8 +389,8 @@ def parse_hello(msg: Message) -> Hello:
     fp = _field(h, "fingerprint", str)
     if fp != fingerprint(layout):
         raise WireError("hello: fingerprint does not match the layout it came with")
-    rank = _field(h, "rank", int, minimum=0)
-    world = _field(h, "world", int, minimum=1)
+    rank = _field(h, "rank", int, minimum=0, maximum=MAX_WORLD - 1)
+    world = _field(h, "world", int, minimum=1, maximum=MAX_WORLD)
     if rank >= world:
         raise WireError(f"hello: rank {rank} and world {world} do not fit (need 0 <= rank < world)")
     if "settings" not in h:
@@ -386,7 +404,7 @@ def parse_hello(msg: Message) -> Hello:
         raise WireError(f"hello: settings must have exactly the keys {sorted(required)}, "
                         f"got {sorted(str(k)[:40] for k in raw)[:10]}")
     values: dict[str, Any] = {
-        "sync_every": _field(raw, "sync_every", int, minimum=1),
+        "sync_every": _field(raw, "sync_every", int, minimum=1, maximum=MAX_SYNC_EVERY),
         "num_fragments": _field(raw, "num_fragments", int, minimum=1),
         "overlap": _field(raw, "overlap", int, minimum=0),
         "deterministic": _field(raw, "deterministic", bool),
@@ -405,7 +423,8 @@ def parse_hello(msg: Message) -> Hello:
     if "desloc" in raw:
         if _field(raw, "desloc", bool) is not True:
             raise WireError("hello: settings.desloc is sent only when true")
-        ku, kv = (_field(raw, k, int, minimum=values["sync_every"]) for k in ("desloc_ku", "desloc_kv"))
+        ku, kv = (_field(raw, k, int, minimum=values["sync_every"], maximum=MAX_SYNC_EVERY)
+                  for k in ("desloc_ku", "desloc_kv"))
         if ku % values["sync_every"] or kv % values["sync_every"]:
             raise WireError(f"hello: desloc_ku {ku} and desloc_kv {kv} must be multiples of sync_every "
                             f"{values['sync_every']}")
@@ -529,14 +548,10 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
         c_steps=_field(h, "c_steps", int, minimum=0),
         c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
         step_time=float(_field(h, "step_time", (int, float), minimum=0)),
-        session=_field(h, "session", int, minimum=0),
+        session=_field(h, "session", int, minimum=0, maximum=MAX_SESSION),
         seq=_field(h, "seq", int, minimum=1),  # 0 would mean unsequenced: never from the network
-        base_epoch=_field(h, "base_epoch", int, minimum=0),
+        base_epoch=_field(h, "base_epoch", int, minimum=0, maximum=MAX_EPOCH),
     )
-    if counters["session"] > MAX_SESSION:
-        raise WireError(f"field 'session' must be <= {MAX_SESSION}, got {counters['session']}")
-    if counters["base_epoch"] > MAX_EPOCH:
-        raise WireError(f"field 'base_epoch' must be <= {MAX_EPOCH}, got {counters['base_epoch']}")
     gain = float(_field(h, "merge_gain", (int, float))) if "merge_gain" in h else None
     if "rank_steps" in h:
         counters["rank_steps"] = _field(h, "rank_steps", int, minimum=1)
@@ -563,15 +578,13 @@ def parse_moments(msg: Message, fragments: Sequence[FragmentSpec]) -> MomentCont
     p, kind = _moment_key(h, fragments, "moments")
     counters = dict(
         base_version=_field(h, "base_version", int, minimum=0),
-        base_epoch=_field(h, "base_epoch", int, minimum=0),
+        base_epoch=_field(h, "base_epoch", int, minimum=0, maximum=MAX_EPOCH),
         step=_field(h, "step", int, minimum=0),
         c_steps=_field(h, "c_steps", int, minimum=0),
         c_tokens=float(_field(h, "c_tokens", (int, float), minimum=0)),
-        session=_field(h, "session", int, minimum=0),
+        session=_field(h, "session", int, minimum=0, maximum=MAX_SESSION),
         seq=_field(h, "seq", int, minimum=1),
     )
-    if counters["session"] > MAX_SESSION or counters["base_epoch"] > MAX_EPOCH:
-        raise WireError(f"moments: session or base_epoch out of range (<= {MAX_SESSION}, <= {MAX_EPOCH})")
     tensors, encoded = parse_encoded(msg, moment_spec(fragments[p]))
     return MomentContribution(learner_id=h["learner"], fragment=p, kind=kind, tensors=tensors, encoded=encoded,
                               rank=h["rank"], **counters)
@@ -582,9 +595,7 @@ def parse_moments_update(msg: Message, fragments: Sequence[FragmentSpec]) -> Mom
     h = msg.header
     p, kind = _moment_key(h, fragments, "moments_update")
     version = _field(h, "version", int, minimum=1)
-    epoch = _field(h, "epoch", int, minimum=0)
-    if epoch > MAX_EPOCH:
-        raise WireError(f"moments_update: epoch must be <= {MAX_EPOCH}, got {epoch}")
+    epoch = _field(h, "epoch", int, minimum=0, maximum=MAX_EPOCH)
     tensors, encoded = parse_encoded(msg, moment_spec(fragments[p]))
     if not all(bool(torch.isfinite(t).all()) for t in tensors if t.numel()):
         raise WireError(f"moments_update of fragment {p} ({kind}) holds non-finite values")
@@ -593,10 +604,7 @@ def parse_moments_update(msg: Message, fragments: Sequence[FragmentSpec]) -> Mom
 
 def parse_status_request(msg: Message) -> int:
     """The nonce of a ``status`` request (an int in [0, 2^63))."""
-    nonce = _field(msg.header, "nonce", int, minimum=0)
-    if nonce > MAX_NONCE:
-        raise WireError(f"field 'nonce' must be <= {MAX_NONCE}, got {nonce}")
-    return nonce
+    return _field(msg.header, "nonce", int, minimum=0, maximum=MAX_NONCE)
 
 
 def parse_status_reply(msg: Message) -> tuple[int, dict[str, Any]]:

@@ -127,6 +127,9 @@ class ZmqLink(QueueLink):
         self.learner_id: str | None = None
         self._curve = curve
         self._error: BaseException | None = None
+        self._busy: str | None = None
+        """The syncer's reason of the last ``busy`` refusal of our hello (None: none yet,
+        or a hello was answered since): what a join that times out names."""
         self._ctx = zmq.Context.instance()
         pipe = f"inproc://rackmend-link-{uuid.uuid4().hex}"
         self._pipe_out = self._ctx.socket(zmq.PAIR)
@@ -201,6 +204,14 @@ class ZmqLink(QueueLink):
                 got[upd.fragment] = upd
                 continue
             now = time.monotonic()
+            if now >= end and self._busy is not None:
+                raise TransportError(
+                    f"join of {learner_id}: within {timeout:g}s the syncer at {self.endpoint} answered its hello "
+                    f"with 'busy': {self._busy}. Another connection holds {learner_id}'s rank {self.rank} and keeps "
+                    "it live. Is another process running with this id (a previous run not yet stopped)? Without "
+                    "Curve keys, learner ids are first-come: whoever says hello first holds the id while it "
+                    "stays live. With Curve keys bound to ids (`rackmend keygen DIR ID`, syncer --allowed-keys) "
+                    "only this learner's key may speak as it (docs/reliability.md)")
             if now >= end:
                 raise TransportError(
                     f"join of {learner_id}: no answer from the syncer at {self.endpoint} within {timeout:g}s "
@@ -368,6 +379,7 @@ class ZmqLink(QueueLink):
                 if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                     raise wire.WireError(f"update has a bad version {version!r}")
                 self._send(dealer, wire.ack_frames(p, self.learner_id, self.rank))
+                self._busy = None  # the hello was taken after all
                 self._on_update(dealer, msg, p, version)
             elif msg.type == "init_request":
                 self._init_requested = True
@@ -394,6 +406,7 @@ class ZmqLink(QueueLink):
                     self._bye.set()  # the syncer does not know us any more: nothing to leave
                 elif code in ("rejoin", "busy"):
                     if code == "busy":  # our id's rank is live on another connection (a restart of ours?)
+                        self._busy = reason
                         log.warning("syncer: %s; retrying the hello", reason)
                     if time.monotonic() - self._hello_at > _HELLO_BACKOFF_S:
                         log.info("syncer asks %s to join again (it restarted?); sending hello", self.learner_id)
