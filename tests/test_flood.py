@@ -10,13 +10,16 @@ import time
 from pathlib import Path
 
 import msgpack
+import torch
 import zmq
 
+from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
+from rackmend.core.settings import LearnerSettings
 from rackmend.service.syncer import MAX_QUEUED_REPLIES, STRANGER_MAX_BYTES, layout_message_limit
 from rackmend.transport import wire
 
 from procs import Procs, events
-from test_trust import Raw
+from test_trust import CONFIG, Raw
 
 FLOOD = 20_000
 
@@ -109,3 +112,72 @@ def test_junk_flood_from_a_peer_that_never_reads_is_bounded(procs: Procs, tmp_pa
     counted = sum(e["count"] for e in ev if e["event"] == "suppressed" and e.get("peer") == peer)
     assert len(lines) < 100, f"{len(lines)} log lines for one junk peer"
     assert len(lines) + counted >= FLOOD, "junk was neither logged nor counted"
+
+
+def test_a_hello_and_leave_storm_from_one_connection_writes_a_bounded_log(procs: Procs, tmp_path: Path) -> None:
+    """Without --learners, ids are first-come: one connection saying hello and leave in a
+    loop got a join and a leave record each time (3000 hellos: 3000 join records). The
+    records are rate-limited per connection now; the rest are counted."""
+    syncer, endpoint = procs.syncer("--overlap", "1")
+    Raw(endpoint, "seed").hello()
+    storm = Raw(endpoint, "storm")
+    storm.sock.setsockopt(zmq.SNDHWM, 0)
+    hello = [bytes(f) for f in wire.hello_frames("storm", 0, 1, storm.frags,
+                                                 LearnerSettings.from_config(CONFIG))]
+    leave = [bytes(f) for f in wire.encode({"type": "leave", "learner": "storm", "rank": 0})]
+    rounds = 300
+    try:
+        for _ in range(rounds):  # sent without reading a reply
+            storm.send(hello)
+            storm.send(leave)
+        _until_marker(storm.sock, 120.0)
+    finally:
+        storm.close()
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    ev = events(tmp_path)
+    for kind in ("join", "leave"):
+        lines = [e for e in ev if e["event"] == kind and e.get("learner") == "storm"]
+        counted = sum(e["count"] for e in ev if e["event"] == "suppressed" and e["of"] == kind)
+        assert len(lines) <= 3 * 5, f"{len(lines)} {kind} records for one connection"
+        assert len(lines) + counted == rounds, (kind, len(lines), counted)
+
+
+def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread(procs: Procs, tmp_path: Path) -> None:
+    """While the model is unknown ZeroMQ's pre-read cap is AUTO_ZMQ_CAP (256 MiB), not
+    2 GiB: a 300 MiB message from a connection that never joined is dropped by ZeroMQ
+    before it is read into the syncer's memory (before, it was read whole, then refused)."""
+    syncer, endpoint = procs.syncer("--overlap", "1")
+    stranger = _stranger(endpoint)
+    other = Raw(endpoint, "l0")
+    try:
+        stranger.send_multipart([wire.encode({"type": "heartbeat", "learner": "x", "rank": 0})[0],
+                                 bytes(300 << 20)])
+        assert _error_reasons(stranger, 5.0) == [], "the huge message reached the syncer"
+        other.send(wire.hello_frames("l0", 0, 1, other.frags, LearnerSettings.from_config(CONFIG)))
+        reply = other.recv(10.0)
+        assert reply is not None and reply[0]["type"] == "init_request", reply
+    finally:
+        stranger.close()
+        other.close()
+    assert syncer.poll() is None
+    assert not [e for e in events(tmp_path) if "exceeds the limit" in e.get("reason", "")]
+
+
+def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_message_mb(
+        procs: Procs, tmp_path: Path) -> None:
+    """Its messages would be cut off unread by ZeroMQ and retried for ever: the hello is
+    refused with the value to pass instead."""
+    _, endpoint = procs.syncer("--overlap", "1")
+    big = [FragmentSpec(p, off, (TensorSpec(f"w{p}", (80 << 20,), torch.float32),))  # 320 MiB each
+           for p, off in enumerate(fragment_offsets(2, 4))]
+    raw = Raw(endpoint, "big")
+    try:
+        raw.send(wire.hello_frames("big", 0, 1, big, LearnerSettings.from_config(CONFIG)))
+        reply = raw.recv(10.0)
+    finally:
+        raw.close()
+    assert reply is not None and reply[0]["type"] == "error" and reply[0]["code"] == "fatal", reply
+    assert "--max-message-mb 321" in reply[0]["reason"], reply[0]["reason"]
+    (refused,) = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
+    assert refused["setting"] == "message_limit"

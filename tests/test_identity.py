@@ -6,6 +6,7 @@ heartbeats go on while a contribution waits for its receipt."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -21,9 +22,10 @@ from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
+from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import make_model
+from helpers import make_model, serving
 from procs import Procs, events, finish, wait_for
 from test_trust import CONFIG, Raw
 
@@ -108,6 +110,124 @@ def test_a_silent_learners_id_is_taken_over_only_after_takeover_after(procs: Pro
     finally:
         first.close()
         second.close()
+
+
+def _try_hello(raw: Raw, lid: str, timeout: float = 2.0) -> dict | None:
+    """Say hello as ``lid``; the first answer: an error (refused), an update (joined:
+    the rest of the join answer is read too, so ``raw.versions`` holds the fragments'
+    versions) or None."""
+    raw.send(wire.hello_frames(lid, 0, 1, raw.frags, LearnerSettings.from_config(CONFIG)))
+    end, first = time.monotonic() + timeout, None
+    while time.monotonic() < end:
+        reply = raw.recv(end - time.monotonic())
+        if reply is None:
+            break
+        header = reply[0]
+        if header["type"] == "error":
+            return header
+        if header["type"] == "update":
+            raw.epoch = header["epoch"]
+            raw.versions[header["fragment"]] = header["version"]
+            first = first or header
+            if len(raw.versions) == len(raw.frags):
+                break
+    return first
+
+
+def _fragment_merges(tmp: Path, lid: str, fragment: int, start: int) -> int:
+    return sum(1 for e in events(tmp)[start:] if e["event"] == "merge" and e["fragment"] == fragment
+               and lid in e["merged"])
+
+
+def test_a_learner_whose_id_was_taken_while_it_was_stopped_merges_again_when_it_returns(
+        procs: Procs, tmp_path: Path) -> None:
+    """Without Curve, ids are first-come: a stranger saying hello as l0 every 0.25 s takes
+    the id once l0 has been silent for --takeover-after, and merges as l0. When l0 comes
+    back it must be able to continue: before, the stranger's session retired l0's session
+    for the fragment it sent, and every later send of l0 for it was refused as a replay."""
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--takeover-after", "1.5")
+    real = procs.learner(endpoint, "l0", *LEARNER_FLAGS)
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, 0) >= 3, 60, "l0 to merge fragment 0", (real,))
+    mallory = Raw(endpoint, "l0")
+    mallory.versions = {}
+    try:
+        real.send_signal(signal.SIGSTOP)
+        reply = None
+        for _ in range(40):  # 10 s at most
+            reply = _try_hello(mallory, "l0", 0.25)
+            if reply is not None and reply["type"] == "update":
+                break
+            time.sleep(0.25)
+        assert reply is not None and reply["type"] == "update", f"the stranger never got the id: {reply}"
+        start = len(events(tmp_path))
+        mallory.send(mallory.contribution(frag=0, base=mallory.versions[0]))
+        wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, start) >= 1, 30, "the stranger's send to merge")
+    finally:
+        mallory.close()  # silent from now on
+        real.send_signal(signal.SIGCONT)
+    back = len(events(tmp_path))
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60,
+             "l0 to merge fragment 0 again after it came back", (real,))
+    ev = events(tmp_path)
+    assert len([e for e in ev if e["event"] == "takeover" and e["learner"] == "l0"]) == 2
+    assert not [e for e in ev[back:] if e["event"] == "reject" and e["learner"] == "l0" and "replay" in e["reason"]]
+
+
+def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path: Path) -> None:
+    """The same attack with Curve keys bound to ids: the stranger's key may speak as
+    itself only, so however long l0 is silent, its id stays l0's."""
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("syncer", "l0", "mallory"):
+        _keygen(keys, name)
+    allowed.mkdir()
+    for name in ("l0", "mallory"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--takeover-after", "1.5", "--secret-key",
+                               str(keys / "syncer.key_secret"), "--allowed-keys", str(allowed))
+    real = procs.learner(endpoint, "l0", *LEARNER_FLAGS, "--keys", str(keys / "l0.key"),
+                         str(keys / "l0.key_secret"), str(keys / "syncer.key"))
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, 0) >= 3, 60, "l0 to merge fragment 0", (real,))
+    mallory = _curve_raw(endpoint, "l0", keys, "mallory")
+    mallory.versions = {}
+    try:
+        real.send_signal(signal.SIGSTOP)
+        replies = []
+        for _ in range(16):  # 4 s of hellos: well past --takeover-after
+            replies.append(_try_hello(mallory, "l0", 0.25))
+        assert all(r is None or (r["type"] == "error" and r["code"] == "fatal") for r in replies), replies
+        assert any(r is not None and "may speak as ['mallory'] only" in r["reason"] for r in replies), replies
+    finally:
+        mallory.close()
+        real.send_signal(signal.SIGCONT)
+    back = len(events(tmp_path))
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60, "l0 to go on merging", (real,))
+    ev = events(tmp_path)
+    assert not [e for e in ev if e["event"] == "takeover"]
+    assert [e["learner"] for e in ev if e["event"] == "join"] == ["l0"]
+
+
+def test_a_join_refused_as_busy_says_so_and_why() -> None:
+    """A learner whose id is held live by another connection fails its join naming 'busy'
+    and what it means (before: 'no answer from the syncer ... check that it is running')."""
+    svc, _, thread = serving(CONFIG, takeover_after=30.0, heartbeat_timeout=60.0)
+    holder = Raw(svc.endpoint, "l0")
+    link = ZmqLink(svc.endpoint, heartbeat_s=0.2, leave_timeout_s=0.5)
+    try:
+        holder.hello()
+        frags = holder.frags
+        initial = [[torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors] for spec in frags]
+        try:
+            link.join("l0", frags, initial, 3.0, settings=LearnerSettings.from_config(CONFIG))
+        except TransportError as exc:
+            text = str(exc)
+        else:
+            raise AssertionError("the join of a held id succeeded")
+        assert "'busy'" in text and "live on another connection" in text and "first-come" in text, text
+    finally:
+        link.leave()
+        holder.close()
+        svc.stop()
+        thread.join(20)
 
 
 def _keygen(keys: Path, name: str, *extra: str) -> None:
