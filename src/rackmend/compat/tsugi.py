@@ -43,6 +43,7 @@ from rackmend.config import (
     RackmendConfig,
     ScheduleConfig,
     SyncerConfig,
+    frozen_config,
 )
 from rackmend.core.fragments import canonical_name, fragments_due, model_tensors
 from rackmend.core.messages import Update
@@ -70,7 +71,8 @@ DEFAULT_OVERLAP = 2
 syncer's own default (``rackmend syncer --overlap``)."""
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class MendConfig:
     """tsugi-mend's configuration, field for field, plus the few settings rackmend needs
     that the SDK did not have (marked below). ``to_rackmend()`` gives the equivalent

@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
+from rackmend.config import (OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig,
+                             ScheduleConfig, frozen_config)
 from rackmend.core.assembly import Assembler, assemble
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
@@ -83,7 +84,8 @@ def layout_message_limit(fragments: list[FragmentSpec]) -> int:
     return max((f.nbytes for f in fragments), default=0) + wire.MAX_HEADER_BYTES
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     """Where and how the syncer service listens, checkpoints and authenticates."""
 
