@@ -39,7 +39,8 @@ from rackmend.core.assembly import Assembler, assemble
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
 from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
-from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
+from rackmend.core.settings import (LearnerSettings, Mismatch, SyncerSettings, peer_mismatch, same_codec,
+                                    syncer_mismatch)
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -728,7 +729,8 @@ class SyncerService:
 
     def _update_frames(self, peer: _Peer, upd: Any, reset: bool = False, full: bool = False) -> list[Any]:
         """An update as ``peer`` receives it: its pieces only, or the whole fragment."""
-        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment])
+        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment],
+                                  syncer=SyncerSettings.from_config(self.config))
 
     def _assemble(self, ident: bytes, peer: _Peer, c: Any) -> Any:
         """A rank's pieces of a contribution; the learner's whole contribution once every
@@ -939,7 +941,8 @@ class SyncerService:
                         if peer.cuts[action.update.fragment] is not None:
                             mine = self._update_frames(peer, action.update, reset=action.reset)
                         else:
-                            mine = frames = frames or wire.update_frames(action.update, reset=action.reset)
+                            mine = frames = frames or wire.update_frames(
+                                action.update, reset=action.reset, syncer=SyncerSettings.from_config(self.config))
                         self._send_update(ident, action.update, mine, reset=action.reset)
             elif isinstance(action, LogRecord):
                 record = action.record
@@ -1049,7 +1052,8 @@ class SyncerService:
             reset = reset or waiting == "reset"
             peer = self.peers.get(ident)
             frames = (self._update_frames(peer, upd, reset=reset, full=True) if peer is not None
-                      else wire.update_frames(upd, reset=reset, full=True))
+                      else wire.update_frames(upd, reset=reset, full=True,
+                                              syncer=SyncerSettings.from_config(self.config)))
             self.superseded_updates += 1
         box.add_latest(upd.fragment, frames, "reset" if reset else "")
         self._flush(ident)
