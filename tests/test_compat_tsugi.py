@@ -5,7 +5,9 @@ bit; settings are mapped as docs/migration.md says; misuse fails loudly."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -14,11 +16,16 @@ import torch
 
 from rackmend.compat.tsugi import MendConfig, get_runtime, mend_init, mend_shutdown
 from rackmend.config import ConfigError
+from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import fragment_offsets
+from rackmend.core.messages import Update
+from rackmend.core.settings import SyncerSettings
+from rackmend.learner import RackmendOptimizer
 from rackmend.service.cli import add_syncer_arguments, build, resolve
-from rackmend.transport import InProcessSyncer
+from rackmend.transport import InProcessSyncer, wire
+from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import assert_files_equal_reference, batch, make_inner, make_model
+from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
 from procs import HERE, Procs, events, finish
 from reference import reference_run
 
@@ -87,8 +94,7 @@ def test_settings_map_to_rackmends_and_the_syncer_flags_agree() -> None:
     assert "--deterministic" in MendConfig(deterministic=True).syncer_flags(("a",))
 
 
-@pytest.mark.parametrize("field,fix", [("des_loc", "des_loc=False"), ("async_tp", "async TP"),
-                                       ("fail_slow_detection", "--log")])
+@pytest.mark.parametrize("field,fix", [("async_tp", "async TP")])
 def test_settings_rackmend_cannot_honour_are_refused_with_the_alternative(field: str, fix: str) -> None:
     with pytest.raises(ConfigError, match=f"MendConfig.{field}=True") as info:
         MendConfig(**{field: True})
@@ -149,3 +155,93 @@ def test_misuse_fails_loudly_and_the_delta_is_not_handed_out_twice(one_thread: N
         mend_shutdown(model)
         hub.close()
     mend_shutdown(model)  # a second call does nothing
+
+
+def test_des_loc_and_fail_slow_detection_map_to_rackmends(one_thread: None, tmp_path: Path) -> None:
+    """Both were refused as 'not in rackmend yet'; rackmend has both. DES-LOC averages the
+    caller's Adam moments (moment rounds at the syncer); fail-slow detection is the
+    syncer's (its flag), and the learner writes the syncer's reports to its diagnostics."""
+    config = MendConfig(des_loc=True, fail_slow_detection=True, sync_period_steps=4, num_fragments=2,
+                        tokens_per_step=12, diagnostics_dir=str(tmp_path / "diag"))
+    r = config.to_rackmend()
+    assert r.schedule.desloc and r.schedule.moment_periods() == (12, 24) and r.syncer.failslow
+    assert "--failslow" in config.syncer_flags() and "--no-failslow" in MendConfig().syncer_flags()
+    assert _syncer_config(config.syncer_flags()).syncer.failslow
+    assert not _syncer_config(MendConfig().syncer_flags()).syncer.failslow, "the SDK detected nothing by default"
+    with pytest.raises(ConfigError, match="fail_slow_detection=True with deterministic=True"):
+        MendConfig(fail_slow_detection=True, deterministic=True)
+    model = make_model()
+    hub = InProcessSyncer.for_model(r, make_model())
+    try:
+        with pytest.raises(ConfigError, match="pass optimizer="):
+            mend_init(model, config, learner_id="l0", link=hub.connect())
+        inner = make_inner(model)
+        link = hub.connect()
+        rt = mend_init(model, config, learner_id="l0", link=link, optimizer=inner)
+        for step in range(26):
+            rt.step_begin(step)
+            x, y, tokens = batch("l0", step + 1)
+            inner.zero_grad()
+            model(x, y).backward()
+            inner.step()
+            if step == 20:  # what the syncer's link hands over when it finds this rack slow
+                link._advice.put(FailSlowReport(learner="l0", rank=0, state="slow", ratio=1.5, fleet_ratio=1.4,
+                                                baseline_s=0.01, steps=12, cost_s=3.0))
+            rt.step_end(step, tokens=tokens)
+    finally:
+        mend_shutdown(model)
+        hub.close()
+    kinds = {e["kind"] for e in hub.events if e["event"] == "moments"}
+    assert kinds == {"exp_avg", "exp_avg_sq"}, f"no DES-LOC moment rounds (got {kinds})"
+    diag = [json.loads(line) for line in (tmp_path / "diag" / "l0.jsonl").read_text().splitlines()]
+    slow = [d for d in diag if d["event"] == "fail_slow"]
+    assert len(slow) == 1 and (slow[0]["state"], slow[0]["ratio"], slow[0]["step"]) == ("slow", 1.5, 20)
+
+
+def test_round_settings_unlike_the_syncers_are_warned_at_join_naming_the_syncers(
+        one_thread: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A learner's quorum_min_learners=4 was ignored silently beside a syncer running
+    another quorum: the syncer now states its round settings in its answer to a join
+    (an optional ``syncer`` field of the reset updates), and a learner whose values differ
+    is warned, naming the syncer's value. Plain rackmend learners too."""
+    run = MendConfig(sync_period_steps=4).to_rackmend()  # the syncer: min_quorum 1
+    svc, _, thread = serving(run)
+    models = [make_model() for _ in range(3)]
+    opts: list[RackmendOptimizer] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="rackmend"):
+            rt = mend_init(models[0], MendConfig(sync_period_steps=4, quorum_min_learners=4, tokens_per_step=12),
+                           endpoint=svc.endpoint, learner_id="l0", optimizer=make_inner(models[0]))
+            mine = run.replace(syncer=dataclasses.replace(run.syncer, min_quorum=2))
+            opts.append(RackmendOptimizer(models[1], make_inner(models[1]), mine, ZmqLink(svc.endpoint),
+                                          learner_id="l1"))
+            opts.append(RackmendOptimizer(models[2], make_inner(models[2]), run, ZmqLink(svc.endpoint),
+                                          learner_id="l2"))
+    finally:
+        for opt in opts:
+            opt.close()
+        mend_shutdown(models[0])
+        svc.stop()
+        thread.join(20)
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "syncer runs with" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "MendConfig.quorum_min_learners=4" in warned[0] and "min_quorum=1" in warned[0]
+    assert "learner l1's config has SyncerConfig.min_quorum=2" in warned[1] and "min_quorum=1" in warned[1]
+    assert "--min-quorum" in warned[1]
+    assert rt.optimizer.syncer_settings == SyncerSettings(min_quorum=1, grace_max=2.0, weighting="tokens_sq_per_step",
+                                                          failslow=False)
+
+    # On the wire: only a join's answer states it, checked on receipt; old syncers send none.
+    value = Update(0, 1, (torch.zeros(2),))
+    said = SyncerSettings(min_quorum=3, grace_max=0.5, weighting="uniform", failslow=True)
+
+    def parse(frames: list) -> SyncerSettings | None:
+        return wire.parse_syncer_settings(wire.decode_header(frames, wire.SYNCER_TYPES, 1 << 20))
+    assert parse(wire.update_frames(value, reset=True, syncer=said)) == said
+    assert parse(wire.update_frames(value, reset=False, syncer=said)) is None
+    assert parse(wire.update_frames(value, reset=True)) is None
+    bad = wire.encode({"type": "update", "fragment": 0, "version": 1, "epoch": 0, "reset": True,
+                       "syncer": {**said.to_wire(), "min_quorum": 0}})
+    with pytest.raises(wire.WireError, match="min_quorum"):
+        parse(bad)

@@ -98,6 +98,50 @@ def test_the_syncer_config_has_no_learner_part() -> None:
     assert isinstance(full, RunConfig) and full.apply_rule() == "overwrite"
     assert not hasattr(run, "apply_rule") and run.replace(deterministic=False).deterministic is False
     schedule = ScheduleConfig()
-    schedule.packing = "stripes"  # type: ignore[assignment]  # set after its own check
+    object.__setattr__(schedule, "packing", "stripes")  # past the freeze and its own check
     with pytest.raises(ConfigError, match="packing='stripes'.*balanced, strided"):
         RunConfig(schedule=schedule)  # a part's values are checked again
+
+
+def test_a_config_cannot_change_under_a_built_optimizer(one_thread: None) -> None:
+    """``cfg.schedule.overlap = 99`` after building the optimizer used to be taken: the
+    learner then never applied a merge (versions [0, 0] after 48 steps) and nothing
+    failed. Every config refuses the change, saying how to build a changed copy, and the
+    run trains as configured."""
+    from helpers import make_inner, make_model, train
+
+    from rackmend import InProcessSyncer, RackmendOptimizer
+    from rackmend.compat.tsugi import MendConfig
+    from rackmend.service import ServiceConfig
+
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=8, num_fragments=2, overlap=2),
+                            syncer=SyncerConfig(outer_kwargs={"momentum": 0.0}))
+    hub = InProcessSyncer.for_model(config, make_model())
+    model = make_model()
+    opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
+    try:
+        with pytest.raises(dataclasses.FrozenInstanceError,
+                           match=r"ScheduleConfig.overlap cannot change.*config.replace\(schedule=dataclasses.replace"):
+            config.schedule.overlap = 99  # type: ignore[misc]
+        with pytest.raises(dataclasses.FrozenInstanceError, match="RackmendConfig.deterministic"):
+            opt.config.deterministic = True  # type: ignore[misc]
+        with pytest.raises(TypeError, match="frozen config"):
+            config.syncer.outer_kwargs["momentum"] = 0.9  # type: ignore[index]
+        train(opt, model, "l0", range(1, 49))
+        # 6 sends per fragment; how many merges are back by the last step depends on timing.
+        assert min(opt.versions) >= 1, f"no merge applied in 48 steps (versions {opt.versions})"
+    finally:
+        opt.close()
+        hub.close()
+    # What the caller passed in stays theirs: changing it later cannot reach the config.
+    roster, kwargs = ["a", "b"], {"momentum": 0.5}
+    sc = SyncerConfig(learners=roster, min_quorum=2, outer_kwargs=kwargs)  # type: ignore[arg-type]
+    roster.append("c")
+    kwargs["momentum"] = 0.9
+    assert sc.learners == ("a", "b") and sc.outer_kwargs == {"momentum": 0.5}
+    changed = config.replace(schedule=dataclasses.replace(config.schedule, overlap=3))
+    assert changed.schedule.overlap == 3 and config.schedule.overlap == 2
+    for part, name, value in ((ServiceConfig(), "bind", "tcp://127.0.0.1:1"), (MendConfig(), "sync_period_steps", 4),
+                              (config.learner, "mix_alpha", 0.1), (config.compression, "uplink", "int8")):
+        with pytest.raises(dataclasses.FrozenInstanceError, match=f"{type(part).__name__}.{name} cannot change"):
+            setattr(part, name, value)

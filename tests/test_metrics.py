@@ -221,3 +221,19 @@ def test_tensorboard_dir_without_the_package_says_what_to_install(tmp_path: Path
     with pytest.raises(ConfigError, match="tensorboard_dir"):
         LearnerConfig(tensorboard_dir=" ")
     assert math.isfinite(LearnerConfig().wait_timeout) and LearnerConfig().tensorboard_dir is None
+
+
+def test_every_reason_and_event_label_the_metrics_use_is_in_the_operations_guide() -> None:
+    """The label values a live syncer's metrics start with (every one exists at 0 from the
+    start) each have a line in docs/operations.md, so an operator seeing one can look it
+    up; ``moments_off`` and ``negative`` were missing."""
+    from rackmend.service.metrics import SyncerMetrics
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text(encoding="utf-8")
+    families = {"rackmend_contributions_rejected": "reason", "rackmend_messages_rejected": "reason",
+                "rackmend_failslow_events": "event"}
+    labels = {(fam.name, s.labels[families[fam.name]]) for fam in SyncerMetrics(lambda: 0.0).registry.collect()
+              if fam.name in families for s in fam.samples if families[fam.name] in s.labels}
+    assert {name for name, _ in labels} == set(families), "a metric family was renamed: update this test"
+    missing = sorted(f"{name}{{{value}}}" for name, value in labels if f"`{value}`" not in doc)
+    assert not missing, f"docs/operations.md does not explain {missing}"

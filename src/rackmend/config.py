@@ -18,7 +18,7 @@ import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Self
+from typing import Any, Iterable, Literal, Self, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from rackmend.codecs.registry import CODECS, parse_codec_spec
 
 __all__ = [
     "ConfigError",
+    "FrozenMapping",
+    "frozen_config",
     "CompressionConfig",
     "ScheduleConfig",
     "SyncerConfig",
@@ -74,8 +76,53 @@ OPTION_SCALE = "rackmend.option_scale"
 value (``max_message_mb`` in MiB for ``ServiceConfig.max_message_bytes``)."""
 
 
+_C = TypeVar("_C", bound=type)
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class FrozenMapping(dict):  # type: ignore[type-arg]
+    """A dict that refuses changes: a frozen config's mapping-valued field (``SyncerConfig.
+    outer_kwargs``). Freezing the dataclass alone would still let
+    ``config.syncer.outer_kwargs["momentum"] = 0.9`` reach a syncer that builds its outer
+    optimizers later, one fragment at a time. Still a ``dict`` for JSON, TOML and
+    ``dataclasses.asdict``; copies (``copy``, ``pickle``) rebuild it from its items."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("this mapping belongs to a frozen config and cannot change; build a new config with "
+                        "dataclasses.replace(config, field={...})")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+
+def frozen_config(cls: _C) -> _C:
+    """Give a frozen config dataclass an error that says what to do instead. Once built, a
+    config is read by what was built from it (``RackmendOptimizer``, its core, the syncer)
+    at whatever time each needs a value, so a change would reach some of them, later, or
+    never: ``config.schedule.overlap = 99`` after building the optimizer left the learner
+    applying no merge at all, without an error. Apply on top of
+    ``@dataclass(frozen=True, ...)`` (its ``__init__`` and ``dataclasses.replace`` bypass
+    ``__setattr__``)."""
+
+    def refuse(self: Any, name: str, *rest: Any) -> None:
+        kind = type(self).__name__
+        part = next((f.name for f in dataclasses.fields(RackmendConfig)
+                     if f.default_factory is type(self)), None)  # type: ignore[comparison-overlap]
+        how = (f"config.replace({part}=dataclasses.replace(config.{part}, {name}=...))" if part is not None
+               else f"dataclasses.replace(config, {name}=...)")
+        raise dataclasses.FrozenInstanceError(
+            f"{kind}.{name} cannot change after the {kind} is built: the optimizer, the syncer and whatever else "
+            f"was given it go on reading it, so a change would reach some of them, late or never. Build a changed "
+            f"copy instead, {how}, and build the optimizer (or syncer) again with it")
+
+    cls.__setattr__ = refuse  # type: ignore[assignment,method-assign]
+    cls.__delattr__ = refuse  # type: ignore[assignment,method-assign]
+    return cls
 
 
 def _check(cond: bool, message: str) -> None:
@@ -145,7 +192,8 @@ def field_docs(cls: type) -> dict[str, str]:
     return out
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """When fragments leave a learner: the sync period, the fragment count, the overlap."""
 
@@ -231,7 +279,8 @@ class ScheduleConfig:
         self.validate()
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
     """How the syncer decides when a round ends, how it merges and how it steps."""
 
@@ -425,7 +474,10 @@ class SyncerConfig:
         self.build_outer_optimizer([torch.zeros(1)])  # surfaces bad outer_kwargs now, not at the first merge
 
     def __post_init__(self) -> None:
-        self.learners = tuple(self.learners)
+        # Copies, so the caller's list or dict changed later cannot reach this config.
+        object.__setattr__(self, "learners", tuple(self.learners))
+        if self.outer_kwargs is not None:
+            object.__setattr__(self, "outer_kwargs", FrozenMapping(self.outer_kwargs))
         self.validate()
 
     def resolved_outer_kwargs(self) -> dict[str, Any]:
@@ -446,7 +498,8 @@ class SyncerConfig:
             ) from exc
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
     """How a learner applies merged values it receives."""
 
@@ -505,7 +558,8 @@ class LearnerConfig:
         self.validate()
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
     """Codecs of the two directions. Each is a spec string ``name[:key=value,...]``
     naming a codec of ``rackmend.codecs.CODECS`` (``none``, ``bf16``, ``int8``, ``int4``,
@@ -580,7 +634,8 @@ class CompressionConfig:
         return self._build("moments")
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """The settings of a run the syncer needs: all of ``RackmendConfig`` but how a learner
     applies merged values. ``rackmend syncer`` builds one of these; of the schedule it
@@ -616,7 +671,8 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class RackmendConfig(RunConfig):
     """Everything a rackmend run needs; learner and syncer must use equal values."""
 

@@ -17,7 +17,10 @@ applies on its own. Where that SDK's semantics were wrong, rackmend's hold:
   ``sync_period_steps``): ``step_end`` sends whatever is due even when the caller skipped
   ``outer_step_begin`` because an earlier round was still in flight.
 
-Settings rackmend cannot honour raise a ``ConfigError`` naming the alternative.
+Settings rackmend cannot honour raise a ``ConfigError`` naming the alternative. The
+settings that govern rounds are the syncer's in rackmend (``syncer_flags()``); a learner
+whose values differ from those the syncer states at join gets a warning naming the
+syncer's value.
 docs/migration.md has the setting-by-setting table and a before/after sample.
 What does not live here: the algorithm (``rackmend.core``), the optimizer wrapper
 (``rackmend.learner``), the transport.
@@ -43,9 +46,12 @@ from rackmend.config import (
     RackmendConfig,
     ScheduleConfig,
     SyncerConfig,
+    frozen_config,
 )
+from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import canonical_name, fragments_due, model_tensors
 from rackmend.core.messages import Update
+from rackmend.core.settings import SyncerSettings
 from rackmend.learner import RackmendOptimizer
 from rackmend.transport.base import LearnerLink
 
@@ -70,7 +76,8 @@ DEFAULT_OVERLAP = 2
 syncer's own default (``rackmend syncer --overlap``)."""
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class MendConfig:
     """tsugi-mend's configuration, field for field, plus the few settings rackmend needs
     that the SDK did not have (marked below). ``to_rackmend()`` gives the equivalent
@@ -111,13 +118,26 @@ class MendConfig:
     included. Any rackmend codec spec, e.g. ``int8`` or ``powersgd:rank=4``."""
 
     des_loc: bool = False
-    """DES-LOC (averaging Adam's moments): not offered by rackmend yet; True raises."""
+    """DES-LOC: also average the inner optimizer's Adam moments across learners
+    (``ScheduleConfig.desloc`` with rackmend's periods, ``exp_avg`` every 3 x
+    ``sync_period_steps`` and ``exp_avg_sq`` every 6 x). Needs ``optimizer=`` (a
+    ``torch.optim.Adam`` or ``AdamW``) in ``mend_init`` and the same value on every learner;
+    the syncer follows the first learner to join, no flag needed. Off by default, as its
+    measurements advise (``ScheduleConfig.desloc``)."""
 
     async_tp: bool = False
     """Async tensor parallelism inside the rack: not rackmend's to switch on; True raises."""
 
     fail_slow_detection: bool = False
-    """FALCON-style fail-slow diagnostics: not offered by rackmend yet; True raises."""
+    """FALCON-style fail-slow detection. It runs on the syncer, from the step times every
+    learner reports (``SyncerConfig.failslow``): ``syncer_flags()`` gives ``--failslow``
+    for True and ``--no-failslow`` for False (the SDK detected nothing by default; plain
+    rackmend detects by default). Where it runs, rounds stop waiting for a rack found slow
+    and that rack's learner is told: a warning in its log and, with True and
+    ``diagnostics_dir``, a ``fail_slow`` record in its diagnostics file. A learner with
+    True that joins a syncer running without it is warned at join. Off in deterministic
+    mode, whose rounds wait for every learner by definition, so True with
+    ``deterministic`` raises."""
 
     # -- rackmend's additions -----------------------------------------------------
     num_fragments: int = 1
@@ -145,15 +165,9 @@ class MendConfig:
 
     def validate(self) -> None:
         unsupported = (
-            ("des_loc", "rackmend does not average optimizer moments yet (DES-LOC is on its roadmap); set "
-             "des_loc=False: the inner optimizer's moments then stay local to each rack, as they did in "
-             "tsugi-mend 0.1.x, where DES-LOC was not wired into mend_init either"),
             ("async_tp", "async tensor parallelism lives inside the rack; rackmend leaves intra-rack "
              "parallelism to PyTorch: set async_tp=False and enable it in your own TP setup "
              "(torch.distributed._symmetric_memory / torchtitan's async TP setting)"),
-            ("fail_slow_detection", "rackmend has no fail-slow detection yet; set fail_slow_detection=False. "
-             "Each merge in the syncer's --log carries every learner's step time, from which a slow rack "
-             "shows"),
         )
         for name, why in unsupported:
             if getattr(self, name):
@@ -164,6 +178,10 @@ class MendConfig:
               f"MendConfig.grace_window_ms must be >= 0 milliseconds, got {self.grace_window_ms}")
         _need(self.sync_period_steps >= 1,
               f"MendConfig.sync_period_steps must be >= 1, got {self.sync_period_steps}")
+        if self.fail_slow_detection and self.deterministic:
+            raise ConfigError(
+                "MendConfig.fail_slow_detection=True with deterministic=True: deterministic rounds wait for every "
+                "learner by definition, so the syncer detects no fail-slow rack; drop one of the two")
         if not self.concurrent_outer_step and self.overlap_steps:
             raise ConfigError(
                 f"MendConfig.concurrent_outer_step=False asks for no overlap but overlap_steps="
@@ -188,10 +206,11 @@ class MendConfig:
         """The equivalent ``RackmendConfig``; ``learners`` is the expected roster."""
         return RackmendConfig(
             schedule=ScheduleConfig(sync_every=self.sync_period_steps, num_fragments=self.num_fragments,
-                                    overlap=self.overlap),
+                                    overlap=self.overlap, desloc=self.des_loc),
             syncer=SyncerConfig(min_quorum=self.quorum_min_learners, learners=tuple(learners),
                                 grace_max=self.grace_window_ms / 1000.0,
-                                weighting="tokens_sq_per_step" if self.token_weighted_merge else "uniform"),
+                                weighting="tokens_sq_per_step" if self.token_weighted_merge else "uniform",
+                                failslow=self.fail_slow_detection),
             learner=LearnerConfig(tokens_per_step=self.tokens_per_step, wait_timeout=self.wait_timeout_s),
             compression=CompressionConfig(uplink=self.compression),
             deterministic=self.deterministic,
@@ -204,12 +223,52 @@ class MendConfig:
         config = self.to_rackmend(tuple(learners))
         sc = config.syncer
         flags = ["--min-quorum", str(sc.min_quorum), "--grace-max", f"{sc.grace_max:g}",
-                 "--weighting", sc.weighting, "--overlap", str(config.schedule.overlap)]
+                 "--weighting", sc.weighting, "--overlap", str(config.schedule.overlap),
+                 "--failslow" if sc.failslow else "--no-failslow"]
         if learners:
             flags += ["--learners", ",".join(learners)]
         if config.deterministic:
             flags.append("--deterministic")
         return flags
+
+
+def syncer_differences(config: MendConfig, learner_id: str, syncer: SyncerSettings) -> list[str]:
+    """A sentence for each of ``config``'s round settings that the syncer (stating
+    ``syncer`` at join) runs with another value of, in the SDK's words: in rackmend these
+    are the syncer's settings, and a learner's value is never sent."""
+    weighting = {"tokens_sq_per_step": "True", "uniform": "False"}.get(syncer.weighting)
+    theirs = {
+        "quorum_min_learners": (config.quorum_min_learners == syncer.min_quorum,
+                                f"min_quorum={syncer.min_quorum} (--min-quorum)",
+                                f"quorum_min_learners={syncer.min_quorum}"),
+        "grace_window_ms": (config.grace_window_ms / 1000.0 == syncer.grace_max,
+                            f"grace_max={syncer.grace_max:g} s (--grace-max)",
+                            f"grace_window_ms={syncer.grace_max * 1000:g}"),
+        "token_weighted_merge": (weighting == str(config.token_weighted_merge),
+                                 f"weighting={syncer.weighting!r} (--weighting)",
+                                 f"token_weighted_merge={weighting}" if weighting else None),
+        # False beside a syncer that detects loses nothing: the learner only hears more.
+        "fail_slow_detection": (not config.fail_slow_detection or syncer.failslow,
+                                "fail-slow detection off (--no-failslow, or --deterministic)",
+                                "fail_slow_detection=False"),
+    }
+    return [f"learner {learner_id}: MendConfig.{name}={getattr(config, name)!r} is not what this run uses: the "
+            f"syncer runs with {have}, and the syncer's value rules (in rackmend it is a syncer setting; a "
+            f"learner's is never sent). Start the syncer with the flags config.syncer_flags() gives"
+            + (f", or set {fix} to match" if fix else " (no MendConfig value gives the syncer's)")
+            for name, (same, have, fix) in theirs.items() if not same]
+
+
+class _MendOptimizer(RackmendOptimizer):
+    """``RackmendOptimizer`` whose warnings about the syncer's settings name the
+    ``MendConfig`` fields the caller set."""
+
+    def __init__(self, *args: Any, mend: MendConfig, **kwargs: Any) -> None:
+        self._mend = mend  # before the join, which compares settings
+        super().__init__(*args, **kwargs)
+
+    def _syncer_differences(self, syncer: SyncerSettings) -> list[str]:
+        return syncer_differences(self._mend, self.learner_id, syncer)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -299,6 +358,9 @@ class MendRuntime:
     def __post_init__(self) -> None:
         self._names = {n: tuple(t.shape) for n, t, _ in model_tensors(self.optimizer.model)}
         self.optimizer.on_apply = self._on_apply
+        if self.config.fail_slow_detection:
+            warn = self.optimizer.on_fail_slow
+            self.optimizer.on_fail_slow = lambda report: (warn(report), self._on_fail_slow(report))
 
     # ---------------------------------------------------------------- the SDK's calls
     def step_begin(self, step: int) -> None:
@@ -387,6 +449,15 @@ class MendRuntime:
                 raise ValueError(f"fragment_provider gave {name!r} with shape {list(tensor.shape)}, the model's "
                                  f"is {list(self._names[canon])}")
 
+    def _on_fail_slow(self, report: FailSlowReport) -> None:
+        if self.diagnostics is not None:
+            # Heard before the step is counted: step_count is this step's 0-based index.
+            self.diagnostics.write(json.dumps({"event": "fail_slow", "step": self.optimizer.step_count,
+                                               "rank": report.rank, "state": report.state,
+                                               "ratio": report.ratio, "fleet_ratio": report.fleet_ratio,
+                                               "steps": report.steps, "cost_s": report.cost_s}) + "\n")
+            self.diagnostics.flush()
+
     def _on_apply(self, p: int, upd: Update) -> None:
         step = self.optimizer.step_count - 1
         applied = _Applied(p, upd.version, self.optimizer.version_lags[p], self._round_of.get(p, step), step)
@@ -434,13 +505,16 @@ def mend_init(
     """
     if model in _RUNTIMES:
         raise RuntimeError("mend_init was already called for this model; call mend_shutdown(model) first")
+    if config.des_loc and optimizer is None:
+        raise ConfigError("MendConfig.des_loc=True averages the inner optimizer's Adam moments, so rackmend needs that "
+                          "optimizer: pass optimizer= (a torch.optim.Adam or AdamW) to mend_init")
     rconfig = config.to_rackmend(tuple(learners))
     if link is None:
         from rackmend.transport.zmq_link import ZmqLink
 
         link = ZmqLink.from_env(endpoint)
     inner = optimizer if optimizer is not None else _CallerSteps(p for p in model.parameters() if p.requires_grad)
-    opt = RackmendOptimizer(model, inner, rconfig, link, learner_id=learner_id)
+    opt = _MendOptimizer(model, inner, rconfig, link, learner_id=learner_id, mend=config)
     diagnostics = None
     if config.diagnostics_dir is not None:
         directory = Path(config.diagnostics_dir)

@@ -7,6 +7,12 @@ are averaged, how often, and their codec). Learners therefore state these settin
 ``hello`` and the syncer refuses a mismatch by name. H and P decide when each fragment
 is sent; the syncer has no value of its own for them, so every learner must use the
 one the first learner used. The uplink codec may differ: each message names its codec.
+
+The other way, the syncer states the settings that govern its rounds (``SyncerSettings``)
+in its answer to a join. A learner's config carries a ``SyncerConfig`` too, but the
+syncer's own rules; a learner whose values differ is told at join (``syncer_differences``)
+instead of believing, say, that rounds wait for 4 learners when the syncer closes them
+on 1.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import Any
 
 from rackmend.codecs.base import CodecError
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.config import RackmendConfig, RunConfig
+from rackmend.config import RackmendConfig, RunConfig, SyncerConfig
 
-__all__ = ["LearnerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch", "same_codec"]
+__all__ = ["LearnerSettings", "SyncerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch", "same_codec",
+           "syncer_differences"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +75,51 @@ class LearnerSettings:
             # it existed, and a syncer that predates DES-LOC refuses one that needs it.
             out.update(desloc=True, desloc_ku=self.desloc_ku, desloc_kv=self.desloc_kv, moments=self.moments)
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncerSettings:
+    """The syncer's round settings a learner's ``SyncerConfig`` also names, as the syncer
+    states them in its answer to a join (optional field ``syncer`` of a reset ``update``;
+    docs/protocol.md)."""
+
+    min_quorum: int
+    """``SyncerConfig.min_quorum`` (K, ``rackmend syncer --min-quorum``)."""
+    grace_max: float
+    """``SyncerConfig.grace_max`` in seconds (``--grace-max``)."""
+    weighting: str
+    """``SyncerConfig.weighting`` (``--weighting``)."""
+    failslow: bool
+    """Whether fail-slow detection runs: ``SyncerConfig.failslow`` (``--failslow`` /
+    ``--no-failslow``) and not deterministic mode, where it is always off."""
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "SyncerSettings":
+        sc = config.syncer
+        return cls(min_quorum=sc.min_quorum, grace_max=float(sc.grace_max), weighting=sc.weighting,
+                   failslow=sc.failslow and not config.deterministic)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"min_quorum": self.min_quorum, "grace_max": self.grace_max, "weighting": self.weighting,
+                "failslow": self.failslow}
+
+
+_SYNCER_FLAGS = {"min_quorum": "--min-quorum", "grace_max": "--grace-max", "weighting": "--weighting"}
+
+
+def syncer_differences(learner_id: str, mine: SyncerConfig, theirs: SyncerSettings) -> list[str]:
+    """A sentence for each round setting in which the learner's ``mine`` differs from what
+    the syncer runs with (``theirs``): the syncer's value rules, and the learner's is
+    ignored. Fail-slow detection is left out (the syncer's default is on, and a learner's
+    config rarely means otherwise); ``rackmend.compat.tsugi`` checks it where asked for."""
+    out = []
+    for name, flag in _SYNCER_FLAGS.items():
+        want, have = getattr(mine, name), getattr(theirs, name)
+        if want != have:
+            out.append(f"learner {learner_id}'s config has SyncerConfig.{name}={want!r}, but the syncer runs with "
+                       f"{name}={have!r}: the syncer's value rules (a learner's is never sent). Start the syncer "
+                       f"with {flag} {want}, or set SyncerConfig({name}={have!r}) on the learner to match")
+    return out
 
 
 @dataclass(frozen=True)

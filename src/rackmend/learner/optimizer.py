@@ -67,7 +67,7 @@ from rackmend.core.learner import (
     WaitForVersion,
 )
 from rackmend.core.messages import MomentUpdate, Update
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_differences
 from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
 from rackmend.learner.sending import SendThread
@@ -611,6 +611,12 @@ class RackmendOptimizer(torch.optim.Optimizer):
         sharded = {"pieces": layout.owned} if layout.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
                                  settings=LearnerSettings.from_config(self.config), **sharded)
+        self.syncer_settings: SyncerSettings | None = getattr(self.link, "syncer_settings", None)
+        """The round settings the syncer stated when this learner joined (min_quorum,
+        grace_max, weighting, failslow); None from a syncer or link that predates them."""
+        if self.syncer_settings is not None and self.rank == 0:
+            for text in self._syncer_differences(self.syncer_settings):
+                log.warning("%s", text)
         got = {u.fragment: u for u in updates}
         missing = [p for p in range(len(self.fragments)) if p not in got and self.owns(p)]
         if missing:
@@ -618,6 +624,12 @@ class RackmendOptimizer(torch.optim.Optimizer):
         for p in range(len(self.fragments)):
             upd = self._pieces.spread(p, got.get(p))  # the owners' values on every rank that holds them
             self._run(self.core.handle(JoinedValue(upd), self._clock()))
+
+    def _syncer_differences(self, syncer: SyncerSettings) -> list[str]:
+        """A warning for each round setting of this learner's config that the syncer runs
+        with another value of: the learner's ``SyncerConfig`` is never sent, so such a
+        value is one the run does not use, though the script says it does."""
+        return syncer_differences(self.learner_id, self.config.syncer, syncer)
 
     def _wait(self, action: WaitForVersion) -> Update:
         t0 = self._clock()

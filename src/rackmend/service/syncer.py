@@ -33,12 +33,14 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from rackmend.config import OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
+from rackmend.config import (OPTION, OPTION_SCALE, ConfigError, LearnerConfig, RackmendConfig, RunConfig,
+                             ScheduleConfig, frozen_config)
 from rackmend.core.assembly import Assembler, assemble
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference, layout_from_wire, layout_to_wire
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
 from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
-from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
+from rackmend.core.settings import (LearnerSettings, Mismatch, SyncerSettings, peer_mismatch, same_codec,
+                                    syncer_mismatch)
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -87,7 +89,8 @@ def layout_message_limit(fragments: list[FragmentSpec]) -> int:
     return max((f.nbytes for f in fragments), default=0) + wire.MAX_HEADER_BYTES
 
 
-@dataclass(kw_only=True)
+@frozen_config
+@dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     """Where and how the syncer service listens, checkpoints and authenticates."""
 
@@ -758,7 +761,8 @@ class SyncerService:
 
     def _update_frames(self, peer: _Peer, upd: Any, reset: bool = False, full: bool = False) -> list[Any]:
         """An update as ``peer`` receives it: its pieces only, or the whole fragment."""
-        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment])
+        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment],
+                                  syncer=SyncerSettings.from_config(self.config))
 
     def _assemble(self, ident: bytes, peer: _Peer, c: Any) -> Any:
         """A rank's pieces of a contribution; the learner's whole contribution once every
@@ -981,7 +985,8 @@ class SyncerService:
                         if peer.cuts[action.update.fragment] is not None:
                             mine = self._update_frames(peer, action.update, reset=action.reset)
                         else:
-                            mine = frames = frames or wire.update_frames(action.update, reset=action.reset)
+                            mine = frames = frames or wire.update_frames(
+                                action.update, reset=action.reset, syncer=SyncerSettings.from_config(self.config))
                         self._send_update(ident, action.update, mine, reset=action.reset)
             elif isinstance(action, LogRecord):
                 record = action.record
@@ -1098,7 +1103,8 @@ class SyncerService:
             reset = reset or waiting == "reset"
             peer = self.peers.get(ident)
             frames = (self._update_frames(peer, upd, reset=reset, full=True) if peer is not None
-                      else wire.update_frames(upd, reset=reset, full=True))
+                      else wire.update_frames(upd, reset=reset, full=True,
+                                              syncer=SyncerSettings.from_config(self.config)))
             self.superseded_updates += 1
         box.add_latest(upd.fragment, frames, "reset" if reset else "")
         self._flush(ident)

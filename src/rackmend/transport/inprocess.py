@@ -23,7 +23,7 @@ from rackmend.core.failslow import AdviseLearner, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
-from rackmend.core.settings import LearnerSettings, syncer_mismatch
+from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -191,6 +191,8 @@ class InProcessLink(QueueLink):
         self.rank = 0
         self.world_size = 1
         """An in-process link carries a single-process learner (all its fragments)."""
+        self.syncer_settings: SyncerSettings = SyncerSettings.from_config(hub.core.config)
+        """The syncer's round settings, as ``ZmqLink.syncer_settings``."""
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,

@@ -19,7 +19,7 @@ import msgpack
 import torch
 
 from rackmend.codecs.base import CodecError, Encoded
-from rackmend.config import APPLY_RULES
+from rackmend.config import APPLY_RULES, WEIGHTINGS
 from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
@@ -27,7 +27,7 @@ from rackmend.core.fragments import dtype_name
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import LearnerSettings, SyncerSettings
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -65,6 +65,7 @@ __all__ = [
     "parse_status_request",
     "status_reply_frames",
     "parse_status_reply",
+    "parse_syncer_settings",
     "layout_to_wire",
     "layout_from_wire",
 ]
@@ -205,23 +206,41 @@ def moments_update_frames(u: MomentUpdate) -> list[Any]:
 
 
 def update_frames(u: Update, reset: bool = False, *, full: bool = False,
-                  pieces: Sequence[Piece] | None = None) -> list[Any]:
+                  pieces: Sequence[Piece] | None = None, syncer: SyncerSettings | None = None) -> list[Any]:
     """``reset``: an answer to a (re)join, adopted whatever version the learner holds.
     An update carrying an encoded ``delta`` ships it (``delta: true``, ``base_version``
     = version - 1) unless ``reset`` or ``full`` asks for the full-precision value.
     ``pieces``: only these blocks of the value, full precision (for a rank of a
-    sharded rack: a delta is encoded over whole tensors and cannot be cut)."""
+    sharded rack: a delta is encoded over whole tensors and cannot be cut).
+    ``syncer``: the syncer's round settings, stated in a reset update (the join's answer)
+    only; an optional field, which learners that predate it ignore."""
+    said = {"syncer": syncer.to_wire()} if syncer is not None and reset else {}
     if pieces is not None:
         blocks = cut(u.tensors, pieces)
         return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
                        "codec": CODEC_NONE, "reset": reset, "tensors": _tensor_meta(blocks),
-                       **_pieces_field(pieces)}, blocks)
+                       **_pieces_field(pieces), **said}, blocks)
     if u.delta is not None and not reset and not full:
         fields, frames = _payload(u.tensors, u.delta)
         return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
                        "reset": False, "delta": True, "base_version": u.version - 1, **fields}, frames)
     return encode({"type": "update", "fragment": u.fragment, "version": u.version, "epoch": u.epoch,
-                   "codec": CODEC_NONE, "reset": reset, "tensors": _tensor_meta(u.tensors)}, u.tensors)
+                   "codec": CODEC_NONE, "reset": reset, "tensors": _tensor_meta(u.tensors), **said}, u.tensors)
+
+
+def parse_syncer_settings(msg: Message) -> SyncerSettings | None:
+    """The checked ``syncer`` field of an ``update`` (None when it has none: a syncer that
+    predates it, or not a join's answer). Keys beyond the known ones are ignored, so a
+    later syncer may state more."""
+    if "syncer" not in msg.header:
+        return None
+    raw = _field(msg.header, "syncer", dict)
+    weighting = _field(raw, "weighting", str)
+    if weighting not in WEIGHTINGS:
+        raise WireError(f"update: syncer.weighting {weighting[:40]!r} is not one of {', '.join(WEIGHTINGS)}")
+    return SyncerSettings(min_quorum=_field(raw, "min_quorum", int, minimum=1),
+                          grace_max=float(_field(raw, "grace_max", (int, float), minimum=0)),
+                          weighting=weighting, failslow=_field(raw, "failslow", bool))
 
 
 def ack_frames(fragment: int, learner_id: str | None = None, rank: int = 0) -> list[Any]:

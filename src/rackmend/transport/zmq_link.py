@@ -39,7 +39,7 @@ import zmq
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, Update
 from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import LearnerSettings, SyncerSettings
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
 from rackmend.transport.outbox import SHORT_HWM, Outbox
@@ -165,6 +165,10 @@ class ZmqLink(QueueLink):
         """I/O thread only: per fragment, the latest full value received, its epoch and version."""
         self._fetching: dict[int, float] = {}
         """I/O thread only: fragments with a fetch outstanding, and when it was sent."""
+        self.syncer_settings: SyncerSettings | None = None
+        """The round settings the syncer stated in its latest answer to a join (None: a
+        syncer that predates them). Set before the answer's update is handed over, so
+        it is there once ``join`` returns."""
 
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
@@ -436,6 +440,17 @@ class ZmqLink(QueueLink):
         # with them and its value is adopted like a rejoin answer.
         same_epoch = held is not None and held[0] == epoch
         if not h.get("delta", False):
+            if h.get("reset", False):
+                try:
+                    said = wire.parse_syncer_settings(msg)
+                except wire.WireError as exc:
+                    # Advice only: the value itself is checked on its own, and a join
+                    # must not fail over what the syncer says about its rounds.
+                    log.warning("the syncer's settings in its answer to %s are malformed, ignored: %s",
+                                self.learner_id, exc)
+                else:
+                    if said is not None:
+                        self.syncer_settings = said
             reset = bool(h.get("reset", False)) or (held is not None and not same_epoch)
             tensors = self._parse_value(msg, p)
             self._fetching.pop(p, None)
