@@ -215,6 +215,24 @@ def test_a_huge_finite_moment_is_clipped_to_the_guard_bound() -> None:
         "the huge moment reached the mean unclipped"
 
 
+def test_moment_guard_has_no_window_to_ratchet() -> None:
+    """The attack on the parameter guard's window (bursts of same-step sends, each 8x the
+    last, then 1e6x) finds nothing to raise here: the moment guard's scale is each
+    round's lower median, one contribution per learner, and nothing is carried over."""
+    core, frags = _core()
+    guards: list[dict] = []
+    for version, value in enumerate([8.0**k for k in range(1, 8)] + [1e6]):
+        for i in range(40):  # a burst: one pending contribution per learner, the rest superseded
+            c = replace(_moments("l1", frags, "exp_avg", value, step=3 * version + 3), base_version=version)
+            core.handle(MomentsArrived(c), float(version) + 0.001 * i)
+        honest = replace(_moments("l0", frags, "exp_avg", 1.0, step=3 * version + 3), base_version=version)
+        out = core.handle(MomentsArrived(honest), float(version) + 0.5)
+        assert [a for a in out if isinstance(a, SendMomentUpdate)], "the round closed"
+        guards += [a.record for a in out if getattr(a, "record", {}).get("event") == "guard"]
+    assert [g["learner"] for g in guards] == ["l1"] * 7  # every burst from 64x on, and the 1e6x one
+    assert guards[-1]["bound"] == pytest.approx(guards[0]["bound"]), "the bound did not grow"
+
+
 def _learner(inner_fn, config: RackmendConfig) -> None:
     model = make_model()
     with InProcessSyncer.for_model(config, make_model()) as hub:

@@ -185,6 +185,125 @@ def test_guard_scale_survives_a_checkpoint() -> None:
     resumed.load_state_dict(tensors, meta)
     assert list(resumed.norms[0]) == list(core.norms[0]) and len(core.norms[0]) == 8
     assert list(resumed.norm_steps[0]) == list(core.norm_steps[0]) == [8] * 8
+    assert resumed.norm_scale[0] == core.norm_scale[0] is not None
+
+
+def test_guard_scale_from_a_checkpoint_written_before_the_growth_cap() -> None:
+    core = make_core(K=2)
+    _honest_rounds(core, 4)
+    tensors, meta = core.state_dict()
+    del meta["norm_scale"]
+    resumed = make_core(K=2)
+    resumed.load_state_dict(tensors, meta)
+    window = sorted(core.norms[0])
+    assert resumed.norm_scale[0] == window[(len(window) - 1) // 2]
+    del meta["norms"], meta["norm_steps"]  # older still: no guard state at all
+    bare = make_core(K=2)
+    bare.load_state_dict(tensors, meta)
+    assert bare.norm_scale[0] is None and len(bare.norms[0]) == 0
+
+
+def _norm_of(t: torch.Tensor) -> float:
+    return torch.linalg.vector_norm(t.double()).item()
+
+
+@pytest.mark.parametrize("rounds", ["one_round", "round_per_burst"])
+def test_guard_cannot_be_ratcheted_by_bursts_from_one_learner(rounds: str) -> None:
+    # The reported attack: 7 bursts of 40 same-step sends from one learner, each burst 8x
+    # the last, then one send 1e6x the usual. When every accepted send entered the
+    # window, each burst filled it and raised the bound 8x; the 1e6x send merged unclipped.
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    usual = torch.full((N,), 0.01)
+    before = _norm_of(core.theta[0][0])
+    seq = itertools.count(1)
+
+    def b_sends(scale: float, count: int, at: float) -> list:
+        out: list = []
+        for _ in range(count):
+            out += core.handle(contrib("b", usual * scale, base=core.versions[0], step=step + 8, session=1,
+                                       seq=next(seq)), at)
+        return out
+
+    def close_round(at: float) -> list:
+        return core.handle(contrib("a", usual, base=core.versions[0], step=step + 8), at)
+
+    guards: list[dict] = []
+    for burst in range(1, 8):
+        guards += events(b_sends(8.0**burst, 40, 10.0 + burst), "guard")
+        if rounds == "round_per_burst":
+            assert events(close_round(10.5 + burst), "merge")
+            step += 8
+    final = b_sends(1e6, 1, 20.0)
+    assert events(close_round(20.5), "merge")
+    (last,) = events(final, "guard")
+    assert last["learner"] == "b" and last["norm"] == pytest.approx(1e6 * _norm_of(usual))
+    # The scale is still the honest sends' (norm ~0.02), not b's.
+    assert last["median"] <= 2 * _norm_of(usual) and last["bound"] == pytest.approx(30 * last["median"]), last
+    # Bursts from the second on (64x and more) were clipped too: b never moved the scale.
+    assert len(guards) == 6 * 40
+    assert all(g["learner"] == "b" for g in guards)
+    # Each merge moves the fragment by at most its bound (weights are a convex mix).
+    merges = 1 if rounds == "one_round" else 8
+    assert _norm_of(core.theta[0][0]) <= before + merges * last["bound"] * 1.01
+
+
+def test_one_learner_adds_at_most_one_norm_per_merge() -> None:
+    core = make_core(K=2)
+    step = _honest_rounds(core, 4)
+    n = len(core.norms[0])
+    for i in range(50):  # repeats, then cumulative sends: one pending send
+        core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0], step=step + 8 + i), 10.0)
+    assert len(core.norms[0]) == n, "norms enter the window at merge time only"
+    core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 10.5)
+    assert len(core.norms[0]) == n + 2
+    # Disjoint work of one learner (an older send re-based after a merge in between)
+    # merges combined: still one norm.
+    step += 8 + 49
+    core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.0)
+    core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0] - 1, step=step + 4, steps=4), 11.0)
+    actions = core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.5)
+    assert events(actions, "merge") and len(core.norms[0]) == n + 4
+
+
+def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
+    # A learner alone in its rounds owns the whole window; sending just under the bound
+    # every round, it raises its bound by at most GUARD_GROWTH per merge.
+    from rackmend.core.syncer import GUARD_GROWTH
+
+    core = make_core(learners=("a",))
+    step = 0
+    for r in range(5):
+        step += 8
+        core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step), float(r))
+    start = core.norm_scale[0]
+    assert start is not None
+    scales = [start]
+    for r in range(20):
+        step += 8
+        just_under = torch.full((N,), 1.0) * (0.99 * 30 * scales[-1] / _norm_of(torch.ones(N)))
+        actions = core.handle(contrib("a", just_under, base=core.versions[0], step=step), 10.0 + r)
+        assert not events(actions, "guard") and events(actions, "merge")
+        scales.append(core.norm_scale[0])  # type: ignore[arg-type]
+    growth = [b / a for a, b in zip(scales, scales[1:])]
+    assert max(growth) <= GUARD_GROWTH * (1 + 1e-12) and scales[-1] > scales[0]
+    assert scales[-1] <= start * GUARD_GROWTH**20
+
+
+def test_honest_norms_growing_slowly_are_never_clipped() -> None:
+    # Norms growing 25 % per round, 2 learners, 60 rounds (a 6e5-fold rise, far steeper
+    # than training's): the window follows and nobody is clipped.
+    core = make_core(K=2)
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    clipped: list[dict] = []
+    for r in range(60):
+        step += 8
+        for who in ("a", "b"):
+            noise = 1 + 0.2 * torch.rand(N, generator=g)
+            clipped += events(core.handle(contrib(who, 0.01 * 1.25**r * noise, base=core.versions[0], step=step),
+                                          float(r)), "guard")
+    assert clipped == [] and core.versions[0] == 60
 
 
 def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:

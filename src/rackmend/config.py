@@ -369,11 +369,13 @@ class SyncerConfig:
 
     norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
-    ``norm_guard`` x the median norm of the last ``GUARD_WINDOW`` (32) unclipped
-    contributions, times how much more work than usual it holds (its steps over the
+    ``norm_guard`` x the lower median norm of the last ``GUARD_WINDOW`` (32) merged,
+    unclipped contributions, times how much more work than usual it holds (its steps over the
     usual, plus one per version its base is behind; 1 to ``GUARD_STEPS_CAP`` = 64), is
     clipped to that bound (logged as ``guard`` with both
-    norms and both step counts). No guard
+    norms and both step counts). A learner adds at most one norm per merge, and the
+    median used grows by at most ``GUARD_GROWTH`` (2x) per merge, so no learner can
+    ratchet the bound up by sending ever larger gradients just under it. No guard
     until ``GUARD_MIN_NORMS`` (5) nonzero norms are known. Clipped rather than rejected:
     an honest learner back from a long outage legitimately sends a larger gradient, and
     clipping keeps its direction and work while capping what any one send can move.

@@ -79,6 +79,7 @@ __all__ = [
     "GUARD_WINDOW",
     "GUARD_MIN_NORMS",
     "GUARD_STEPS_CAP",
+    "GUARD_GROWTH",
     "RETIRED_SESSIONS",
 ]
 
@@ -123,8 +124,10 @@ MAX_STEP_TIME = 86_400.0
 grace window estimate; an absurd one would stretch every round to ``grace_max``."""
 
 GUARD_WINDOW = 32
-"""Per fragment, how many recent unclipped contribution norms the norm guard's median
-is taken over (``SyncerConfig.norm_guard``)."""
+"""Per fragment, how many recent norms of merged, unclipped contributions the norm
+guard's median is taken over (``SyncerConfig.norm_guard``). A learner adds at most one
+per merge of the fragment (its pending sends of the round count once), so a burst of
+sends cannot fill it, and no learner can hold more than its share of it."""
 
 GUARD_MIN_NORMS = 5
 """Nonzero norms a fragment must have seen before the norm guard acts: before that
@@ -139,6 +142,16 @@ sender's word, so what a lie can buy is capped at this multiple."""
 
 MAX_SEQ = 2**63 - 1
 """The largest sequence number the wire carries."""
+GUARD_GROWTH = 2.0
+"""Most the norm guard's scale may grow from one merge of a fragment to the next: the
+scale is the lower median of the window, capped at this multiple of the previous
+merge's scale (it may fall freely). A learner that owns most of the window (the only
+learner, or the one whose sends close most rounds of a K=1 run) could otherwise raise
+its bound by almost ``norm_guard`` (30x) every few merges, sending just under it; this
+way a millionfold takes at least log2(10^6) = 20 merges. Honest training stays far
+below it: the largest growth from one merge to the next measured on the demo GPT is
+given in docs/reliability.md ("Does the guard touch honest training?")."""
+
 RETIRED_SESSIONS = 16
 """Per (learner, fragment), how many earlier sessions are remembered so that replays
 of their messages are refused; a learner restarted more often than this within one
@@ -351,6 +364,9 @@ class _Round:
     first_arrival: float | None = None
     quorum_at: float | None = None
     deadline: float | None = None
+    clipped: set[str] = field(default_factory=set)
+    """Learners with a send clipped by the norm guard this round: their merged norm stays
+    out of the guard's window (else sends just under the bound would ratchet it up)."""
 
 
 class SyncerCore:
@@ -410,9 +426,14 @@ class SyncerCore:
         (their probe loss before minus after applying the previous value)."""
         self._harmful_streak = [0] * len(self.fragments)
         self.norms: list[deque[float]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
-        """Per fragment, recent nonzero norms of unclipped contributions (the norm guard's scale)."""
+        """Per fragment, recent nonzero norms of merged, unclipped contributions, at most one
+        per learner per merge (the norm guard's window)."""
         self.norm_steps: list[deque[int]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
         """Per fragment, the ``c_steps`` behind those norms (the guard's usual amount of work)."""
+        self.norm_scale: list[float | None] = [None] * len(self.fragments)
+        """Per fragment, the norm the guard's bound is a multiple of: the window's lower
+        median, grown by at most ``GUARD_GROWTH`` per merge; None until the window holds
+        ``GUARD_MIN_NORMS`` norms (no guard yet)."""
         self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
         """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
         self.retired_sessions: dict[tuple[str, int], dict[int, int]] = {}
@@ -569,6 +590,7 @@ class SyncerCore:
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
             "norms": [list(n) for n in self.norms],
             "norm_steps": [list(n) for n in self.norm_steps],
+            "norm_scale": list(self.norm_scale),
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
             "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
             "epoch": self.epoch,
@@ -632,6 +654,15 @@ class SyncerCore:
             self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
         for p, steps in enumerate(meta.get("norm_steps", [])[: len(self.fragments)]):
             self.norm_steps[p] = deque((int(x) for x in steps), maxlen=GUARD_WINDOW)
+        scales = meta.get("norm_scale")
+        for p in range(len(self.fragments)):
+            # Checkpoints written before the growth cap lack the scale: their window's
+            # median is what their guard used, so the cap starts from it.
+            if scales is not None and p < len(scales):
+                self.norm_scale[p] = None if scales[p] is None else float(scales[p])
+            else:
+                self.norm_scale[p] = None
+                self._rescale(p)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
         for lid, p, v in meta.get("last_merged", []):
@@ -747,10 +778,12 @@ class SyncerCore:
         guarded = self._guard(c, now, actions)
         if guarded is None:
             return None
-        c = guarded
-        self._note_sequence(c)
         rnd = self.rounds[p]
         lid = c.learner_id
+        if guarded is not c:
+            rnd.clipped.add(lid)
+        c = guarded
+        self._note_sequence(c)
         old = rnd.pending.get(lid)
         if old is None:
             rnd.pending[lid] = c
@@ -834,41 +867,69 @@ class SyncerCore:
 
     def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
         """``c``, clipped to its bound when above it; None (rejected) when its norm cannot
-        even be computed. The bound is ``norm_guard`` x the fragment's median recent norm
-        x the work ``c`` holds in units of the usual: its steps over the usual, plus one
+        even be computed. The bound is ``norm_guard`` x the fragment's scale (the lower
+        median of recent merged norms, grown by at most ``GUARD_GROWTH`` per merge) x the
+        work ``c`` holds in units of the usual: its steps over the usual, plus one
         usual period per version its base is behind (a learner whose updates stopped
         arriving sends the drift since its base every time), at least 1 and at most
-        ``GUARD_STEPS_CAP``."""
+        ``GUARD_STEPS_CAP``. Nothing here changes the scale: norms enter the window when
+        they are merged (``_note_norms``), so a burst of sends within a round cannot
+        move it."""
         norm = _norm(c.tensors)
         if not math.isfinite(norm):
             self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
-        window, steps = self.norms[c.fragment], self.norm_steps[c.fragment]
+        median, steps = self.norm_scale[c.fragment], self.norm_steps[c.fragment]
         factor = self.config.syncer.norm_guard
-        if factor > 0 and len(window) >= GUARD_MIN_NORMS:
-            median = sorted(window)[len(window) // 2]
+        if factor > 0 and median is not None:
             usual_steps = sorted(steps)[len(steps) // 2] if steps else 0
             behind = self.versions[c.fragment] - c.base_version  # <= max_staleness, checked before
             work = min(GUARD_STEPS_CAP, (max(1.0, c.c_steps / usual_steps) if usual_steps > 0 else 1.0) + behind)
             bound = factor * median * work
             if norm > bound:
                 scale = bound / norm
+                window = self.norms[c.fragment]
+                raw = sorted(window)[(len(window) - 1) // 2]
                 actions.append(self._log(
                     now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
                     c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
                             f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
+                            + (f" (capped: the window's median {raw:.4g} grew faster than GUARD_GROWTH="
+                               f"{GUARD_GROWTH:g}x per merge)" if raw > median else "")
                             + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps}) on a base "
                                f"{behind} versions behind" if work > 1 else "")
                             + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
-                # Clipped values are kept out of the window: otherwise sends just under the
-                # bound, repeated, would ratchet the scale up.
                 return replace(c, tensors=tuple((t.to(torch.float64) * scale).to(t.dtype) for t in c.tensors))
-        if norm > 0:  # a zero delta says nothing about the scale
-            window.append(norm)
-            if c.c_steps > 0:
-                steps.append(c.c_steps)
         return c
+
+    def _note_norms(self, p: int, ids: Sequence[str], contribs: Sequence[Contribution]) -> None:
+        """Add the norms of a merge's contributions to fragment ``p``'s guard window, one
+        per learner (``contribs`` are each learner's combined work), leaving out those
+        with a clipped send this round; then update the guard's scale."""
+        window, steps = self.norms[p], self.norm_steps[p]
+        clipped = self.rounds[p].clipped
+        for lid, c in zip(ids, contribs):
+            if lid in clipped:
+                continue
+            norm = _norm(c.tensors)
+            if norm > 0 and math.isfinite(norm):  # a zero delta says nothing about the scale
+                window.append(norm)
+                if c.c_steps > 0:
+                    steps.append(c.c_steps)
+        self._rescale(p)
+
+    def _rescale(self, p: int) -> None:
+        """Set fragment ``p``'s guard scale from its window: the lower median (with two
+        learners and one entry each per merge, the upper one would be the larger
+        learner's, so one liar beside one honest learner would set it), at most
+        ``GUARD_GROWTH`` x the previous scale."""
+        window = self.norms[p]
+        if len(window) < GUARD_MIN_NORMS:
+            return
+        median = sorted(window)[(len(window) - 1) // 2]
+        prev = self.norm_scale[p]
+        self.norm_scale[p] = median if prev is None else min(median, GUARD_GROWTH * prev)
 
     def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
         """Warn once per learner whose tokens per step look like other units than the
@@ -1121,6 +1182,7 @@ class SyncerCore:
         for lid, c in zip(ids, contribs):
             self.last_counts[lid] = (c.c_tokens, c.c_steps)
             self.last_merged[(lid, p)] = version
+        self._note_norms(p, ids, contribs)
         self.rounds[p] = _Round()
         self._watch_gains(p, gains, now, actions)
 
