@@ -6,7 +6,9 @@ events or timing. The weight and merge arithmetic is ``rackmend.core.merge``
 (checked on its own against the independent vectors in ``data/merge_rounds.json``);
 schedule, counters, outer gradients, the outer step and the apply rules are written
 out again here from the design, so the distributed run is checked against them.
-Floating buffers are merged by the weighted mean without an outer step.
+Floating buffers are merged by the weighted mean without an outer step (a BatchNorm
+running_var with its running_mean: the pooled variance, mean of the variances plus the
+variance of the means).
 
 Compression, written out the same way (the codec classes only encode and decode):
 each learner keeps a residual per (fragment, tensor) and sends decode(encode(Δ + r)),
@@ -109,7 +111,7 @@ def reference_run(
         sent = [learners[i].sent[p] for i in order]
         weights = [contribution_weight(sc.weighting, s[4], s[3]) for s in sent]
         merged = merge_deltas([s[2] for s in sent], weights, sc.merge,
-                              [s.is_embedding or s.is_buffer for s in f.tensors])
+                              [s.is_embedding or s.is_buffer for s in f.tensors], variance_of=f.variance_of)
         old = [th.detach().clone() for th in theta[p]]
         for th, g, s in zip(theta[p], merged, f.tensors):
             th.grad = None if s.is_buffer else g
@@ -117,7 +119,8 @@ def reference_run(
         with torch.no_grad():
             for th, g, s in zip(theta[p], merged, f.tensors):
                 th.grad = None
-                if s.is_buffer:  # buffers: the weighted mean of the learners' values, no outer step
+                if s.is_buffer:  # buffers: the weighted mean of the learners' values (a BatchNorm
+                    # variance: the pooled variance, see merge_deltas), no outer step
                     th.sub_(g)
         if not down.lossless:
             with torch.no_grad():

@@ -57,3 +57,23 @@ def test_schedule_is_flat_and_complete(P: int, H: int) -> None:
 def test_too_many_fragments_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="num_fragments"):
         pack_fragments(make_model(), 50, 4)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_batchnorm_statistics_of_a_layer_share_a_fragment(P: int) -> None:
+    """A running_var merges with its running_mean's spread (pooled variance) only where
+    both are in one fragment: packing keeps them together."""
+    from torch import nn
+
+    model = nn.Sequential(*[m for i in range(4) for m in (nn.Linear(8 + i, 8 + i + 1), nn.BatchNorm1d(8 + i + 1))])
+    frags = pack_fragments(model, P, 24)
+    where = {n: f.index for f in frags for n in f.names}
+    bns = [f"{i}.running_var" for i in range(1, 8, 2)]
+    assert all(where[n] == where[n.replace("running_var", "running_mean")] for n in bns), where
+    for f in frags:
+        for n, i in zip(f.names, f.variance_of):
+            assert (i is not None) == n.endswith("running_var"), (n, i)
+            assert i is None or f.names[i] == n.replace("running_var", "running_mean")
+    # A tiny model with P at its tensor count still packs (the pair may then split).
+    tiny = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))  # 6 tensors
+    assert len(pack_fragments(tiny, 6, 24)) == 6

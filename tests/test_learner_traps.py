@@ -169,7 +169,8 @@ def _run_bn(config: RackmendConfig, ids: list[str], steps: int) -> tuple[dict[st
 
 def test_batchnorm_statistics_are_merged_by_weighted_mean() -> None:
     """Running statistics travel with their fragment: the run (buffers included) equals the
-    reference, where buffers merge by the weighted mean without an outer step, and the
+    reference, where buffers merge by the weighted mean (running_var: pooled with the
+    means' spread) without an outer step, and the
     syncer's global model and checkpoint state hold them."""
     config = _config(P=2, tau=1)
     ids, steps = ["l0", "l1"], 4 * H

@@ -74,3 +74,33 @@ def test_merge_is_order_independent_given_canonical_inputs() -> None:
     (a,) = merge_deltas(ds, w, "mean")
     (b,) = merge_deltas(ds, w, "mean")
     assert torch.equal(a, b) and a.dtype == torch.float32
+
+
+def test_batchnorm_variance_merges_as_pooled_variance() -> None:
+    """Tensor 1 is the variance of tensor 0's mean: merged value = sum w var_m +
+    sum w (mean_m - mean)^2, worked in deltas (Theta - value) as the syncer holds them."""
+    theta_mean, theta_var = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 0.5])
+    means = [torch.tensor([0.0, 0.0]), torch.tensor([5.0, 1.0])]
+    variances = [torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0])]
+    deltas = [[theta_mean - m, theta_var - v] for m, v in zip(means, variances)]
+    raw = [3.0, 1.0]  # normalised 0.75, 0.25
+    d_mean, d_var = merge_deltas(deltas, raw, "mean", [True, True], variance_of=[None, 0])
+    mean, var = theta_mean - d_mean, theta_var - d_var
+    assert torch.allclose(mean, torch.tensor([1.25, 0.25]))
+    # [0.75*1 + 0.25*1 + 0.75*1.25^2 + 0.25*3.75^2, 0.75*2 + 0.25*4 + 0.75*0.25^2 + 0.25*0.75^2]
+    assert torch.allclose(var, torch.tensor([1.0 + 4.6875, 2.5 + 0.1875]))
+    # Without the pairing the variance is the plain weighted mean (what it was before).
+    _, plain = merge_deltas(deltas, raw, "mean", [True, True])
+    assert torch.allclose(theta_var - plain, torch.tensor([1.0, 2.5]))
+    # One learner: its own statistics, whatever Theta holds.
+    one = merge_deltas(deltas[1:], raw[1:], "mean", [True, True], variance_of=[None, 0])
+    assert torch.allclose(theta_var - one[1], variances[1])
+
+    # Absent learners count at Theta's own statistics (delta 0), weight 4 of 8 here.
+    d_mean, d_var = merge_deltas(deltas, raw, "mean", [True, True], absent=4.0, variance_of=[None, 0])
+    w = [3 / 8, 1 / 8, 4 / 8]
+    pts = means + [theta_mean]
+    vs = variances + [theta_var]
+    center = sum(wm * m for wm, m in zip(w, pts))
+    pooled = sum(wm * (v + (m - center) ** 2) for wm, m, v in zip(w, pts, vs))
+    assert torch.allclose(theta_mean - d_mean, center) and torch.allclose(theta_var - d_var, pooled)

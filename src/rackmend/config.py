@@ -218,7 +218,9 @@ class ScheduleConfig:
     sync_buffers: bool = True
     """Persistent floating-point buffers (BatchNorm running statistics) travel with their
     fragment and merge by the weighted mean of the learners' values, without an outer
-    step, so the global model carries statistics that match its weights. Integer buffers
+    step, so the global model carries statistics that match its weights (a
+    ``running_var`` with its ``running_mean``: the pooled variance, which counts the
+    spread between racks' means; docs/algorithm.md). Integer buffers
     (``num_batches_tracked``) always stay local. False: every buffer stays local (each
     rack keeps its own statistics; the syncer's global model then has none). Must be
     the same on every learner (it changes the layout)."""

@@ -28,10 +28,15 @@ statistics.
 - **Confirmation**: an alarm counts once ``min_steps`` steps since its onset were
   each at least ``min_slowdown`` slower than the baseline (a sample of n steps counts
   n), and the weighted median of the samples since the onset is at least
-  ``min_slowdown`` above the baseline, both on its own and after subtracting the
-  fleet's shift over the same time (a slowdown the whole fleet shares is the
-  workload, not a sick rack). An alarm that falls back before it is confirmed is a
-  *blip*.
+  ``min_slowdown`` above the baseline, on its own and also against the fleet (a
+  slowdown the whole fleet shares is the workload, not a sick rack): over the same
+  span of steps, the stream's trimmed-mean level above its baseline must exceed the
+  fleet's by ``min_slowdown`` and by ``FLEET_Z`` standard errors (spans of a few dozen
+  steps are noisy, and 10 % between two equally slowed racks is within their noise);
+  see ``level_over`` and ``FLEET_TRIM`` for why not the median. The fleet is the
+  other learners' median, those flagged slow left out unless they are all there is:
+  with two learners, one flagged must not leave the other judged against nobody. An
+  alarm that falls back before it is confirmed is a *blip*.
 - **Recovery**: the mirror image: a CUSUM for the step back from the slow level to
   the baseline, confirmed like a slowdown (``min_steps`` steps back below
   ``min_slowdown``, and the median since its onset too).
@@ -48,7 +53,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 __all__ = [
     "StepTimeDetector",
@@ -65,6 +70,8 @@ __all__ = [
     "BASELINE_MIN_SAMPLES",
     "MIN_SIGMA",
     "DESIGN_MULTIPLES",
+    "FLEET_Z",
+    "FleetView",
     "cusum_threshold",
 ]
 
@@ -90,6 +97,29 @@ steps, 256 steps are 43 samples, whose median and spread are off by enough to tu
 false alarm per 1e7 steps into one per 1e5 (benchmarks/failslow.py --window 6).
 Detection starts at half of both. A short ``baseline_steps`` thus lowers this floor
 too: whoever shortens the baseline (a one-minute demo) has chosen a noisier one."""
+
+FLEET_Z = 3.0
+"""Standard errors by which a slowdown must exceed the fleet's own shift to count.
+Without it, two racks slowed alike by a shared CPU were flagged in turn on every shared
+slowdown: the medians of 10-20 steps at CV 0.3 differ by more than 10 % a quarter of the
+time. It costs a genuinely slow rack in a fleet a little delay on noisy steps (the gap
+has to be measured over more steps), none when the steps are steady."""
+
+FLEET_TRIM = 0.1
+"""Share of the steps cut from each end before the fleet-relative comparison averages
+a span (a trimmed mean, not the median): a span that straddles the end of a shared
+slowdown is a mixture of two levels, whose median jumps from one to the other as the
+mix passes one half, so two racks slowed alike differed by the whole slowdown there.
+The trimmed mean moves smoothly with the mix and still drops rare x5 spikes."""
+
+FLEET_SE = 1.06
+"""Standard error of a ``FLEET_TRIM``-trimmed mean of n normal samples, in units of
+sigma / sqrt(n)."""
+
+FleetView = Callable[[int], "tuple[float, float] | None"]
+"""The fleet as a detector sees it: given a span of steps, the fleet's log shift over its
+last that many steps and the standard error of that shift; None when there is no fleet
+to compare with (then the stream is judged on its own)."""
 
 REPORT_STATES = ("blip", "slow", "evict", "restored")
 """What a ``FailSlowReport`` says happened."""
@@ -124,6 +154,21 @@ def _wmedian(samples: Sequence[tuple[float, int]]) -> float:
     return ordered[-1][0]
 
 
+def _trimmed_mean(samples: Sequence[tuple[float, int]], trim: float) -> float:
+    """Mean of ``(value, weight)`` pairs after cutting ``trim`` of the total weight from
+    each end (weights cut fractionally where the cut falls inside a pair)."""
+    ordered = sorted(samples)
+    total = sum(n for _, n in ordered)
+    lo, hi = trim * total, (1 - trim) * total
+    acc = kept = weight = 0.0
+    for x, n in ordered:
+        w = max(0.0, min(acc + n, hi) - max(acc, lo))
+        kept += w * x
+        weight += w
+        acc += n
+    return kept / weight if weight > 0 else _wmedian(ordered)
+
+
 @dataclass
 class _Cusum:
     k: float
@@ -141,7 +186,7 @@ class Verdict:
     shift: float
     """Log step time above the baseline: median of the samples since the onset."""
     fleet_shift: float
-    """The fleet's log shift over the same time, subtracted in the fleet-relative check."""
+    """The fleet's log shift over the same span, subtracted in the fleet-relative check."""
     steps: int
     """Steps from the change's onset to this sample."""
 
@@ -151,8 +196,9 @@ class StepTimeDetector:
 
     ``add(seconds, steps, fleet_shift)`` takes the mean step time over ``steps`` steps
     and returns a ``Verdict`` when the stream's state changes (or a blip ends), else
-    None. ``fleet_shift`` is the fleet's current log shift (``FailSlowMonitor``
-    computes it from the other learners); 0 checks the stream against itself only."""
+    None. ``fleet_shift`` is the fleet's log shift, either a number (taken as exact; 0
+    checks the stream against itself only) or a ``FleetView`` (``FailSlowMonitor``
+    passes one over the other learners), asked for the span the verdict is about."""
 
     def __init__(self, *, min_slowdown: float = 0.10, min_steps: int = 10,
                  false_alarm_steps: float = 1e7, baseline_steps: int = 256) -> None:
@@ -175,6 +221,8 @@ class StepTimeDetector:
         """Per-step scale of log step time around the baseline (robust)."""
         self.slow_level = 0.0
         self._base: deque[tuple[float, int]] = deque()
+        self._base_level: float | None = None
+        """Trimmed mean of ``_base`` (see ``level_over``); None: to be computed."""
         self._base_steps = 0
         self._probation: deque[tuple[int, float, int]] = deque()
         """(step count at the sample's end, log value, steps), waiting ``lag_steps`` to enter the baseline."""
@@ -190,7 +238,7 @@ class StepTimeDetector:
         self._dirty = 0
 
     # ------------------------------------------------------------------ public
-    def add(self, seconds: float, steps: int = 1, fleet_shift: float = 0.0) -> Verdict | None:
+    def add(self, seconds: float, steps: int = 1, fleet_shift: float | FleetView = 0.0) -> Verdict | None:
         if steps <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return None
         x = math.log(seconds)
@@ -210,6 +258,29 @@ class StepTimeDetector:
         if self.mu is None or not self._recent:
             return None
         return _wmedian(self._since(self.steps - self.min_steps)) - self.mu
+
+    def level_over(self, span: int, skip_newest: bool = False) -> tuple[float, float] | None:
+        """Log shift above the baseline of the last ``span`` steps (at least one sample,
+        at most the last ``baseline_steps``) as their ``FLEET_TRIM``-trimmed mean, and its
+        standard error (the baseline's own included: two racks' baselines differ by their
+        noise too); None while warming up. ``skip_newest``: of the ``span`` steps that
+        end with the previous sample instead. What the fleet-relative check compares, the
+        stream's own and the fleet's over the same span.
+
+        The baseline here is the trimmed mean of the admitted history, not ``mu``: after a
+        long shared slowdown entered both racks' baselines, their medians jump back one
+        refresh apart, and for a round or two the racks' shifts differed by the whole
+        slowdown; the trimmed means move together, a sample at a time."""
+        if self.mu is None or not self._recent or not self._base:
+            return None
+        if self._base_level is None:
+            self._base_level = _trimmed_mean(list(self._base), FLEET_TRIM)
+        recent = list(self._recent)[:-1] if skip_newest and len(self._recent) > 1 else list(self._recent)
+        end = recent[-1][0]
+        samples = [(x, n) for e, x, n in recent if e > end - span] or [(recent[-1][1], recent[-1][2])]
+        covered = sum(n for _, n in samples)
+        se = self.sigma * FLEET_SE * math.hypot(1 / math.sqrt(covered), 1 / math.sqrt(max(self._base_steps, 1)))
+        return _trimmed_mean(samples, FLEET_TRIM) - self._base_level, se
 
     @property
     def baseline_seconds(self) -> float | None:
@@ -240,6 +311,7 @@ class StepTimeDetector:
         self._dirty, self._alarmed = int(state["dirty"]), int(state["alarmed"])
         self._blip_steps, self._blip_shift = int(state["blip"][0]), float(state["blip"][1])
         self._base = deque((float(x), int(n)) for x, n in state["base"])
+        self._base_level = None
         self._base_steps = sum(n for _, n in self._base)
         self._probation = deque((int(e), float(x), int(n)) for e, x, n in state["probation"])
         self._recent = deque((int(e), float(x), int(n)) for e, x, n in state["recent"])
@@ -272,6 +344,7 @@ class StepTimeDetector:
         while self._probation and (warming or self._probation[0][0] <= self.steps - self.lag_steps):
             _, value, n = self._probation.popleft()
             self._base.append((value, n))
+            self._base_level = None
             self._base_steps += n
             self._dirty += 1
             while (self._base_steps - self._base[0][1] >= self.baseline_steps
@@ -313,7 +386,23 @@ class StepTimeDetector:
             clip = CLIP_SIGMA / math.sqrt(steps)
             c.s = max(0.0, c.s + steps * (max(-clip, min(c.k + clip, z)) - c.k))
 
-    def _watch_slowdown(self, x: float, steps: int, fleet_shift: float) -> Verdict | None:
+    def _gap(self, fleet_shift: float | FleetView, span: int, shift: float) -> tuple[float, float, float]:
+        """(fleet's shift, this stream's shift over it, the gap's standard error) over the
+        last ``span`` steps. A number for the fleet is taken as exact and compared with
+        ``shift``; a ``FleetView`` is compared level for level (see ``level_over``)."""
+        seen = fleet_shift(span) if callable(fleet_shift) else None
+        own = self.level_over(span) if seen is not None else None
+        if seen is None or own is None:
+            fleet = 0.0 if callable(fleet_shift) else fleet_shift
+            return fleet, shift - fleet, 0.0
+        # The fleet's newest sample may predate this one by up to a send (learners send in
+        # turn): at a level change that alone is a gap of the change times send / span.
+        # So this stream is compared as of its previous sample too, and the smaller gap counts.
+        before = self.level_over(span, skip_newest=True) or own
+        low = min(own, before)
+        return seen[0], low[0] - seen[0], math.hypot(max(own[1], before[1]), seen[1])
+
+    def _watch_slowdown(self, x: float, steps: int, fleet_shift: float | FleetView) -> Verdict | None:
         assert self.mu is not None
         self._step(self._cusums, self._z(x, self.mu), steps)
         self._admit(x, steps)
@@ -323,7 +412,10 @@ class StepTimeDetector:
                 # One alarmed sample is a spike, not worth a log line; more is a blip.
                 blip = self._alarmed > 1
                 self._alarmed = 0
-                return Verdict("blip", self._blip_shift, fleet_shift, self._blip_steps) if blip else None
+                if not blip:
+                    return None
+                fleet = self._gap(fleet_shift, self._blip_steps, self._blip_shift)[0]
+                return Verdict("blip", self._blip_shift, fleet, self._blip_steps)
             return None
         self._alarmed += 1
         onset = min(c.onset for c in alarms)
@@ -334,8 +426,11 @@ class StepTimeDetector:
         if self._steps_where(onset, slow=True) < self.min_steps:
             return None
         shift = self._blip_shift
-        if shift < self.min_shift or shift - fleet_shift < self.min_shift:
+        if shift < self.min_shift:
             return None
+        fleet, gap, noise = self._gap(fleet_shift, lasted, shift)
+        if gap < self.min_shift or gap < FLEET_Z * noise:
+            return None  # the fleet shares it, or it is not told apart from noise yet
         self.slow, self._alarmed = True, 0
         self.slow_level = self.mu + shift
         # Samples of the slowdown must never become baseline.
@@ -343,9 +438,9 @@ class StepTimeDetector:
         gap = max(shift, self.min_shift)
         k = gap / 2 / self.sigma
         self._down = _Cusum(k, cusum_threshold(k, self.arl0 / len(DESIGN_MULTIPLES)), 0.0, self.steps)
-        return Verdict("slow", shift, fleet_shift, lasted)
+        return Verdict("slow", shift, fleet, lasted)
 
-    def _watch_recovery(self, x: float, steps: int, fleet_shift: float) -> Verdict | None:
+    def _watch_recovery(self, x: float, steps: int, fleet_shift: float | FleetView) -> Verdict | None:
         assert self.mu is not None
         down = self._down
         self._step([down], -self._z(x, self.slow_level), steps)
@@ -355,12 +450,14 @@ class StepTimeDetector:
         if self._steps_where(down.onset, slow=False) < self.min_steps:
             return None
         shift = _wmedian(self._since(down.onset)) - self.mu
-        if shift >= self.min_shift and shift - fleet_shift >= self.min_shift:
+        # No noise margin here: the down CUSUM already said the stream stepped back.
+        fleet, gap, _ = self._gap(fleet_shift, lasted, shift)
+        if shift >= self.min_shift and gap >= self.min_shift:
             return None
         self.slow = False
         for c in self._cusums:
             c.s, c.onset = 0.0, self.steps
-        return Verdict("restored", shift, fleet_shift, lasted)
+        return Verdict("restored", shift, fleet, lasted)
 
 
 # ------------------------------------------------------------------ the ladder
@@ -507,7 +604,7 @@ class FailSlowMonitor:
         det = self.detectors.get(key)
         if det is None:
             det = self.detectors[key] = StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]
-        verdict = det.add(seconds, steps, self._fleet_shift(learner))
+        verdict = det.add(seconds, steps, lambda span: self._fleet_view(learner, span))
         out: list[FailSlowAction] = []
         case = self.cases.get(learner)
         if verdict is not None and verdict.kind == "blip":
@@ -560,14 +657,29 @@ class FailSlowMonitor:
         return max(sorted(case.slow_ranks), key=lambda r: self.detectors[(learner, r)].current_shift() or 0.0)
 
     def _others(self, learner: str) -> list[StepTimeDetector]:
-        """Detectors of the other learners that have a baseline and are not flagged."""
-        return [d for (lid, _), d in self.detectors.items()
-                if lid != learner and lid not in self.cases and d.mu is not None]
+        """Detectors of the other learners that have a baseline: those not flagged, or,
+        when every other one is flagged, all of them. A flagged learner is left out so
+        that one sick rack does not move the reference of a fleet; but when it is the
+        whole fleet (two learners, or all slowed together) leaving it out would judge the
+        rest against nobody, and a shared slowdown would flag each learner in turn."""
+        others = sorted(((lid, rank), d) for (lid, rank), d in self.detectors.items()
+                        if lid != learner and d.mu is not None)
+        healthy = [d for (lid, _), d in others if lid not in self.cases]
+        return healthy or [d for _, d in others]
 
-    def _fleet_shift(self, learner: str) -> float:
-        """Median log shift of the other healthy learners' last steps (0 alone)."""
-        shifts = sorted(s for d in self._others(learner) if (s := d.current_shift()) is not None)
-        return shifts[len(shifts) // 2] if shifts else 0.0
+    def _fleet_shift(self, learner: str, span: int | None = None) -> float:
+        """Median log shift of the other learners' last ``span`` steps (default
+        ``min_steps``; 0 alone)."""
+        seen = self._fleet_view(learner, span)
+        return 0.0 if seen is None else seen[0]
+
+    def _fleet_view(self, learner: str, span: int | None) -> tuple[float, float] | None:
+        """The other learners' median log shift over their last ``span`` steps
+        (``level_over``) and its standard error, taken as the median learner's (one
+        learner's error overstates that of a median over many, which only costs delay);
+        None alone."""
+        seen = sorted(lv for d in self._others(learner) if (lv := d.level_over(span or d.min_steps)) is not None)
+        return seen[len(seen) // 2] if seen else None
 
     def _fleet_seconds(self, learner: str) -> float | None:
         """Median seconds per step of the other healthy learners' last steps."""

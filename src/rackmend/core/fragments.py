@@ -11,9 +11,12 @@ DDP rack, a compiled rack and a plain rack of one model have one layout.
 
 What travels: trainable parameters, and (``buffers=True``, the default) persistent
 floating-point buffers such as BatchNorm's running statistics, which the syncer
-merges by weighted mean without an outer step. Integer buffers (BatchNorm's
-``num_batches_tracked``) and non-persistent buffers (rotary tables, masks) stay
-local: a counter of batches seen is each rack's own, and a constant needs no merge.
+merges by weighted mean without an outer step; a ``<prefix>.running_var`` whose
+``<prefix>.running_mean`` is in the same fragment merges as a pooled variance
+(``FragmentSpec.variance_of``), and packing keeps such a pair in one fragment.
+Integer buffers (BatchNorm's ``num_batches_tracked``) and non-persistent buffers
+(rotary tables, masks) stay local: a counter of batches seen is each rack's own, and
+a constant needs no merge.
 
 A tensor may be a ``DTensor`` (FSDP2, tensor parallel): its spec has the global shape;
 which block of it a rank holds is ``rackmend.core.pieces``'s business.
@@ -44,6 +47,7 @@ __all__ = [
     "unwrap_model",
     "model_tensors",
     "fragment_tensors",
+    "variance_pairs",
     "dtype_name",
     "layout_to_wire",
     "layout_from_wire",
@@ -90,6 +94,33 @@ class FragmentSpec:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tensors)
+
+    @property
+    def variance_of(self) -> tuple[int | None, ...]:
+        """Per tensor: for a buffer ``<prefix>.running_var``, the index of the buffer
+        ``<prefix>.running_mean`` of the same shape in this fragment, else None. The
+        syncer merges such a variance with the spread of the means (pooled variance)."""
+        return variance_pairs(self.tensors)
+
+
+def variance_pairs(tensors: Sequence[TensorSpec]) -> tuple[int | None, ...]:
+    """``FragmentSpec.variance_of`` for a list of tensors (by canonical name: the
+    BatchNorm family names its statistics ``running_mean`` and ``running_var``)."""
+    index = {t.name: i for i, t in enumerate(tensors) if t.is_buffer}
+    out: list[int | None] = []
+    for t in tensors:
+        mean = _mean_name(t.name) if t.is_buffer else None
+        i = index.get(mean) if mean is not None else None
+        out.append(i if i is not None and tensors[i].shape == t.shape else None)
+    return tuple(out)
+
+
+def _mean_name(name: str) -> str | None:
+    """``<prefix>.running_mean`` for ``<prefix>.running_var``, else None."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf != "running_var":
+        return None
+    return f"{prefix}.running_mean" if prefix else "running_mean"
 
 
 def fragment_offsets(num_fragments: int, sync_every: int) -> list[int]:
@@ -188,7 +219,8 @@ def pack_fragments(
     ``<blocks>.<i>.`` go to fragment i mod P (``blocks`` defaults to the model's
     largest ``nn.ModuleList``); other parameters then fill the lightest fragments.
     Within a fragment, tensors keep the model's order. ``buffers``: include persistent
-    floating-point buffers (see the module docstring).
+    floating-point buffers (see the module docstring); a ``running_var`` goes where its
+    ``running_mean`` goes, as one unit, unless that would leave a fragment empty.
     """
     check_choice("packing", packing, PACKINGS)
     emb = _embedding_param_ids(unwrap_model(model))
@@ -227,8 +259,16 @@ def pack_fragments(
                 place(spec, int(m.group(1)) % num_fragments)
             else:
                 rest.append(spec)
-    for spec in sorted(rest, key=lambda s: (-s.nbytes, order[s.name])):
-        place(spec, min(range(num_fragments), key=lambda p: (loads[p], p)))
+    # A variance merges with its mean's spread only where both are in one fragment.
+    pairs = variance_pairs(rest)
+    units = [[spec] + [rest[j] for j, i in enumerate(pairs) if i == k] for k, spec in enumerate(rest)
+             if pairs[k] is None]
+    if len(units) < sum(not b for b in bins):
+        units = [[spec] for spec in rest]  # a tiny model with P near its tensor count: no empty fragment
+    for unit in sorted(units, key=lambda u: (-sum(t.nbytes for t in u), order[u[0].name])):
+        p = min(range(num_fragments), key=lambda p: (loads[p], p))
+        for spec in unit:
+            place(spec, p)
     empty = [p for p, b in enumerate(bins) if not b]
     if empty:
         raise ConfigError(

@@ -3,6 +3,13 @@
 Inputs arrive already in canonical order (sorted learner id); sums accumulate in
 float64 so the result does not depend on arrival order or on fp32 rounding of
 partial sums. No state, no I/O.
+
+Buffers merge by the weighted mean of the learners' values, except a BatchNorm
+variance paired with its mean (``variance_of``), which merges as the pooled variance
+of the racks' data: the mean of the variances plus the variance of the means. Racks on
+different data (one sees N(0, 1), another N(5, 1)) each have a variance near 1, while
+the union's is 7.25; the mean of the variances alone gave the global model statistics
+worse than fresh ones.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ def merge_deltas(
     method: str = "mean",
     embedding: Sequence[bool] | None = None,
     absent: float = 0.0,
+    variance_of: Sequence[int | None] | None = None,
 ) -> list[torch.Tensor]:
     """Merge per-learner outer gradients into one, tensor by tensor.
 
@@ -120,7 +128,13 @@ def merge_deltas(
     phi(weighted mean of phi(d_m)); tensors flagged in ``embedding`` use mean.
     ``absent`` adds the raw weight of learners counted as sending zero to every
     denominator, which scales the result by the present share of the weight.
-    Returns tensors in the input dtype.
+    ``variance_of[j] = i``: tensor j is a buffer variance whose mean is tensor i (both
+    as ``Theta - value``, like every delta; ``FragmentSpec.variance_of``); the merged
+    value ``Theta_j - out[j]`` is then the pooled variance sum_m w_m var_m +
+    sum_m w_m (mean_m - mean)^2, the absent learners counted at Theta's own mean and
+    variance (zero deltas). The spread of the means is the same in delta terms,
+    (Theta_i - d_mi) - (Theta_i - dbar_i) = dbar_i - d_mi, so it is subtracted from the
+    weighted mean of the variance deltas. Returns tensors in the input dtype.
     """
     check_choice("merge", method, MERGES)
     if not deltas:
@@ -140,4 +154,23 @@ def merge_deltas(
             radius += wm * torch.linalg.vector_norm(t, dtype=ACC_DTYPE).item()
         direction = _unit(_weighted_sum([_unit(t) for t in column], w, ACC_DTYPE))
         out.append(direction.mul_(radius).to(dtype))
+    for j, i in enumerate(variance_of or ()):
+        if i is not None:
+            var = _weighted_sum([d[j] for d in deltas], w, ACC_DTYPE)
+            out[j] = var.sub_(_spread(deltas, w, i, absent > 0.0)).to(out[j].dtype)
+    return out
+
+
+def _spread(deltas: Sequence[Sequence[torch.Tensor]], w: Sequence[float], i: int, absent: bool) -> torch.Tensor:
+    """sum_m w_m (d_mi - dbar_i)^2 in ACC_DTYPE, dbar_i = sum_m w_m d_mi, plus, with
+    ``absent`` learners (the weight the normalised ``w`` lacks) at delta 0, their
+    share times dbar_i^2. Two passes, not E[d^2] - dbar^2, which cancels badly when
+    the means sit far from Theta and close to each other."""
+    column = [d[i] for d in deltas]
+    center = _weighted_sum(column, w, ACC_DTYPE)
+    out = torch.zeros_like(center)
+    for t, wm in zip(column, w):
+        out.add_((t.to(ACC_DTYPE) - center).square_(), alpha=wm)
+    if absent:
+        out.add_(center.square(), alpha=max(0.0, 1.0 - math.fsum(w)))
     return out

@@ -1118,6 +1118,7 @@ class SyncerCore:
             sc.merge,
             [t.is_embedding or t.is_buffer for t in spec.tensors],  # rda is for weights only
             absent_weight,
+            spec.variance_of,  # BatchNorm variances pool with their means' spread
         )
         opt = self.optimizers[p]
         # The outer step runs on the live tensors (torch.optim has no out-of-place step),
