@@ -31,6 +31,7 @@ from rackmend import (  # noqa: E402
     ScheduleConfig,
     SyncerConfig,
 )
+from rackmend.transport.sharded import connect  # noqa: E402
 from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def main() -> int:
     raw = make_model()
     model = torch.nn.parallel.DistributedDataParallel(raw) if a.wrap == "ddp" else raw
     link = (ZmqLink(a.endpoint, curve=curve, heartbeat_s=0.2) if a.link == "plain"
-            else ZmqLink.from_env(a.endpoint, curve=curve, heartbeat_s=0.2))
+            else connect(a.endpoint, curve=curve, heartbeat_s=0.2))  # comma-separated: a sharded syncer
     opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id=a.id)
     try:
         for t in range(1, a.steps + 1):

@@ -21,11 +21,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from rackmend.config import ConfigError
+from rackmend.core.shards import Shard
 from rackmend.core.failslow import (
     AdviseLearner,
     FailSlowAction,
@@ -85,12 +86,17 @@ def is_loopback_host(host: str) -> bool:
 class SyncerMetrics:
     """A syncer's metrics in a registry of their own; ``serve`` exposes them over HTTP."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], shard: Shard = Shard()) -> None:
         self.registry = CollectorRegistry()
         self._clock = clock
         self._checkpoint_at: float | None = None
         self._learners: set[str] = set()
         r = self.registry
+        # Shards own disjoint fragments and label them in the model's numbering, so a sum
+        # over the shards' endpoints is the whole syncer's count.
+        Gauge("rackmend_syncer_shard", "1, labelled with this syncer's shard index and the number of shards "
+              "(0 of 1: one syncer for the whole model).", ["shard", "shards"],
+              registry=r).labels(str(shard.index), str(shard.count)).set(1)
         self.merges = Counter("rackmend_merges", "Merges (outer steps) per fragment.", ["fragment"], registry=r)
         self.fragment_version = Gauge("rackmend_fragment_version", "Current version of each fragment.",
                                       ["fragment"], registry=r)
@@ -192,9 +198,10 @@ class SyncerMetrics:
         if m["grace_s"] is not None:
             self.grace_window.set(m["grace_s"])
 
-    def versions(self, versions: Iterable[int]) -> None:
-        """The fragments' versions when the core starts (fresh, or from a checkpoint)."""
-        for p, v in enumerate(versions):
+    def versions(self, versions: Mapping[int, int]) -> None:
+        """The fragments' versions (fragment in the model's numbering: a syncer shard's
+        are every S-th) when the core starts (fresh, or from a checkpoint)."""
+        for p, v in versions.items():
             self.merges.labels(str(p))  # present at 0 from the start
             self.fragment_version.labels(str(p)).set(v)
 

@@ -19,6 +19,7 @@ member of a round.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import json
 import logging
@@ -41,6 +42,8 @@ from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pie
 from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
 from rackmend.core.settings import (LearnerSettings, Mismatch, SyncerSettings, peer_mismatch, same_codec,
                                     syncer_mismatch)
+from rackmend.core.shards import Shard, parse_shard
+from rackmend.core.shards import owner as owner_shard
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -79,6 +82,8 @@ largest fragment needs more is refused by name, pointing at ``--max-message-mb``
 MAX_QUEUED_REPLIES = 16
 """Error and receipt replies held per connection that reads none of them; more are
 dropped (counted as ``replies_dropped``): a peer that never reads costs bounded memory."""
+_FRAGMENT_MESSAGES = ("contrib", "init", "fetch", "ack", "moments")
+"""What a learner sends about one fragment (its ``fragment`` field is renumbered for a shard's core)."""
 LOG_WINDOW_S = 10.0
 """The window of ``ServiceConfig.log_burst``, seconds."""
 
@@ -171,12 +176,20 @@ class ServiceConfig:
     and nothing merged, that no merge happened). 0: none. Every merge is in the
     ``log_path`` file either way."""
 
+    shard: str = "0/1"
+    """This syncer's part of the model, ``s/S``: shard ``s`` of ``S`` owns the fragments
+    ``p`` with ``p mod S == s`` and knows nothing of the others (no coordination between
+    shards). Start one ``rackmend syncer --shard s/S`` per shard, each with its own port
+    and checkpoint directory, and give every learner all S endpoints in shard order
+    (``--connect tcp://a:5555,tcp://b:5555``). ``0/1``: one syncer for the whole model."""
+
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint listens on. Metrics are served without
     authentication: keep the loopback default and scrape from this machine, or put a
     firewall in front (a warning is logged for any other address)."""
 
     def validate(self) -> None:
+        parse_shard(self.shard)
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics endpoint; got "
                               f"{self.metrics_port} (--metrics-port)")
@@ -337,8 +350,14 @@ class SyncerService:
                  *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.service = service
+        self.shard: Shard = parse_shard(service.shard)
+        self._layout: list[FragmentSpec] | None = None
+        """The model's whole layout (every fragment, in the model's numbering): what hellos
+        are checked against. The core holds this shard's fragments only, renumbered from 0
+        (``Shard.fragments``); fragment numbers are translated at the service's edge:
+        ``_on_message`` for what arrives, ``_out`` and ``_globalize`` for what leaves."""
         self.clock = clock
-        self.metrics = SyncerMetrics(clock)
+        self.metrics = SyncerMetrics(clock, self.shard)
         """Counted whether or not they are served (``metrics_port``)."""
         self.core: SyncerCore | None = None
         self.peers: dict[bytes, _Peer] = {}
@@ -481,6 +500,8 @@ class SyncerService:
                 return
             if self._key_ids is not None and not self._key_allows(ident, body[0], msg):
                 return
+            if not self.shard.whole and msg.type in _FRAGMENT_MESSAGES:
+                self._localize(msg)
             self._handle(ident, msg)
         except wire.WireError as exc:
             self.rejected_messages += 1
@@ -506,6 +527,31 @@ class SyncerService:
                 stats.last_seen = self.clock()
             self.metrics.received(lid if stats is not None else None, nbytes)
 
+    def _localize(self, msg: wire.Message) -> None:
+        """A message about one fragment, renumbered to this shard's numbering (the core's);
+        one about another shard's fragment is refused, naming the shard that owns it."""
+        p = msg.header.get("fragment")
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            return  # malformed: the parser names it
+        if not self.shard.owns(p):
+            raise wire.WireError(f"fragment {p} belongs to syncer shard {owner_shard(p, self.shard.count)} of "
+                                 f"{self.shard.count}; this is shard {self.shard}. Give the learner every shard's "
+                                 "endpoint in shard order")
+        msg.header["fragment"] = self.shard.local(p)
+
+    def _out(self, upd: Any) -> Any:
+        """An update (or averaged moments) of the core, numbered as the model for the wire."""
+        return upd if self.shard.whole else dataclasses.replace(upd, fragment=self.shard.to_global(upd.fragment))
+
+    def _pieces(self, hello: wire.Hello) -> RankPieces:
+        """What the rank that said ``hello`` owns of this shard's fragments (declared pieces, or
+        a plain rank's whole fragments by the owner-rank rule, which counts the model's fragments)."""
+        return self.shard.select(_rank_pieces(hello.layout, hello))
+
+    def _declared(self, hello: wire.Hello) -> RankPieces | None:
+        """A sharded rack rank's declared pieces of this shard's fragments; None for a plain rank."""
+        return None if hello.pieces is None else self.shard.select(hello.pieces)
+
     def _answer_status(self, ident: bytes, msg: wire.Message) -> None:
         """Read-only: answered from the current state, the asker never becomes a peer
         (each request is not logged: a refreshing view asks every second)."""
@@ -519,7 +565,7 @@ class SyncerService:
         if self.service.max_message_bytes is not None:
             return self.service.max_message_bytes
         layout = self.core.fragments if self.core is not None else self._pending.layout if self._pending else None
-        return None if layout is None else layout_message_limit(layout)
+        return None if layout is None else layout_message_limit(layout)  # this shard's fragments: all it receives
 
     def _key_allows(self, ident: bytes, frame: zmq.Frame, msg: wire.Message) -> bool:
         """Whether the Curve key this message came with may speak as the learner it names
@@ -604,7 +650,7 @@ class SyncerService:
             return
         assert msg.type == "contrib" and self.core is not None
         contribution = wire.parse_contribution(msg, self.core.fragments)
-        self._send(ident, wire.ack_frames(contribution.fragment), droppable=True)  # received, whatever the core decides
+        self._send(ident, wire.ack_frames(self.shard.to_global(contribution.fragment)), droppable=True)  # received, whatever the core decides
         if contribution.pieces is not None:
             whole = self._assemble(ident, peer, contribution)
             if whole is None:
@@ -619,7 +665,7 @@ class SyncerService:
         if stats.rejected > refused:
             return  # a refused contribution's step time and base say nothing true about the learner
         stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
-        stats.based[p] = (contribution.base_version, lag)
+        stats.based[self.shard.to_global(p)] = (contribution.base_version, lag)
         self.metrics.contribution(lid, contribution.step_time, max(lag for _, lag in stats.based.values()))
 
     def _moments(self, ident: bytes, peer: _Peer, msg: wire.Message) -> None:
@@ -669,12 +715,14 @@ class SyncerService:
         if self.core is None:
             pend = self._pending
             if pend is None:
-                pend = self._pending = _Pending(layout, {ident: hello.pieces}, lid, hello.settings, self.clock())
-                self._event("init_request", learner=lid, fragments=len(layout))
+                self._layout = layout
+                pend = self._pending = _Pending(self.shard.fragments(layout), {ident: self._declared(hello)}, lid,
+                                                hello.settings, self.clock())
+                self._event("init_request", learner=lid, fragments=len(pend.layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
             elif pend.seeder_id == lid and hello.pieces is not None and ident not in pend.seeders:
                 # A sharded seeder: each of its ranks sends the pieces it owns.
-                pend.seeders[ident] = hello.pieces
+                pend.seeders[ident] = self._declared(hello)
                 self._send(ident, wire.encode({"type": "init_request"}))
             pend.waiting = [(i, m) for i, m in pend.waiting if i != ident] + [(ident, msg)]
             return
@@ -685,7 +733,7 @@ class SyncerService:
             del self.peers[holder[0]]
             self._event("takeover", learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
                         silent_s=round(self.clock() - holder[1].last_seen, 3))
-        pieces = _rank_pieces(self.core.fragments, hello)
+        pieces = self._pieces(hello)
         cuts = [None if not ps or is_whole(f, ps) else ps for f, ps in zip(self.core.fragments, pieces)]
         self.peers[ident] = peer = _Peer(lid, rank, hello.world, self.clock(), pieces, cuts)
         stats.state = "connected"
@@ -696,7 +744,7 @@ class SyncerService:
             if isinstance(action, LogRecord):
                 # The core knows learners, not ranks: each rank of a multi-rank learner
                 # joins, so its join says which.
-                record = action.record
+                record = self.shard.record(action.record)
                 if record["event"] == "join":
                     record = {**record, "rank": rank, "world": hello.world}
                     # Per connection: a hello storm (ids are first-come without --learners)
@@ -721,13 +769,13 @@ class SyncerService:
         for other in [i for i, g in gate.items() if i != ident and g.hello.rank == hello.rank]:
             del gate[other]  # the rank said hello again from another connection: the newer one counts
         gate[ident] = _Gated(msg, hello, now)
-        ranks: dict[int, RankPieces] = {g.hello.rank: _rank_pieces(hello.layout, g.hello) for g in gate.values()}
+        ranks: dict[int, RankPieces] = {g.hello.rank: self._pieces(g.hello) for g in gate.values()}
         connected = {p.rank: p.pieces for p in self.peers.values() if p.learner_id == lid and p.rank not in ranks}
         ranks.update(connected)
         if len(ranks) < hello.world:
             self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(ranks), world=hello.world)
             return []
-        problem = cover_problem(hello.layout, [ranks[r] for r in range(hello.world)])
+        problem = cover_problem(self.shard.fragments(hello.layout), [ranks[r] for r in range(hello.world)])
         if problem is not None and connected:
             # Ranks still connected may belong to the learner's previous run (killed, not
             # yet timed out), which a relaunch sharded another way replaces as its ranks say
@@ -761,7 +809,7 @@ class SyncerService:
 
     def _update_frames(self, peer: _Peer, upd: Any, reset: bool = False, full: bool = False) -> list[Any]:
         """An update as ``peer`` receives it: its pieces only, or the whole fragment."""
-        return wire.update_frames(upd, reset=reset, full=full, pieces=peer.cuts[upd.fragment],
+        return wire.update_frames(self._out(upd), reset=reset, full=full, pieces=peer.cuts[upd.fragment],
                                   syncer=SyncerSettings.from_config(self.config))
 
     def _assemble(self, ident: bytes, peer: _Peer, c: Any) -> Any:
@@ -785,7 +833,7 @@ class SyncerService:
         return whole
 
     def _assembly_records(self, records: list[dict[str, Any]]) -> None:
-        for record in records:
+        for record in map(self.shard.record, records):
             self.metrics.record(record)  # an incomplete contribution counts as rejected
             self._record(record)
 
@@ -835,7 +883,7 @@ class SyncerService:
         first = self._first or ((self._pending.seeder_id, self._pending.settings) if self._pending else None)
         if mismatch is None and first is not None:
             mismatch = peer_mismatch(lid, s, *first)
-        layout = self.core.fragments if self.core is not None else self._pending.layout if self._pending else None
+        layout = self._layout
         difference = layout_difference(layout, hello.layout) if mismatch is None and layout is not None else None
         if difference is not None:
             mismatch = Mismatch("layout", fingerprint(hello.layout), fingerprint(layout), (
@@ -843,7 +891,7 @@ class SyncerService:
                 "how they are split (ScheduleConfig sync_every, num_fragments, packing, sync_buffers) differ from "
                 "the model this syncer trains. Start it from the same model definition and config, or start a "
                 "fresh syncer (without --resume) for a new model"))
-        needed = layout_message_limit(hello.layout)
+        needed = layout_message_limit(self.shard.fragments(hello.layout))
         if mismatch is None and layout is None and self.service.max_message_bytes is None and needed > self._zmq_cap:
             # The first learner sets the model. ZeroMQ's cap, fixed at the bind before the model
             # was known, would cut its larger messages off unread: it would retry for ever.
@@ -853,6 +901,15 @@ class SyncerService:
                 f"without knowing the model's size and reads at most {self._zmq_cap >> 20} MiB per message. "
                 f"Restart it with --max-message-mb {mb}, or split the model into more fragments "
                 "(ScheduleConfig.num_fragments)"))
+        if mismatch is None and hello.shard != self.shard:
+            mismatch = Mismatch("shard", str(hello.shard), str(self.shard), (
+                f"learner {lid} sent this syncer the hello meant for syncer shard {hello.shard}, but it is shard "
+                f"{self.shard}. " + ("Give the learner every shard's endpoint, in shard order (shard 0 first)"
+                                    if not self.shard.whole or not hello.shard.whole else "")))
+        if mismatch is None and not self.shard.fragments(hello.layout):
+            mismatch = Mismatch("shard", len(hello.layout), str(self.shard), (
+                f"syncer shard {self.shard} owns no fragment of a model of {len(hello.layout)} fragments; run at "
+                f"most {len(hello.layout)} shards (ScheduleConfig.num_fragments)"))
         problem = pieces_problem(hello.layout, hello.pieces) if mismatch is None and hello.pieces is not None else None
         if problem is not None:
             mismatch = Mismatch("pieces", None, None, (
@@ -892,7 +949,7 @@ class SyncerService:
             return
         hello = wire.parse_hello(others[0][1])
         # A plain learner's first connection seeds alone; a sharded learner's ranks all do.
-        seeders = {i: h.pieces for i, h in ((i, wire.parse_hello(m)) for i, m in others)
+        seeders = {i: self._declared(h) for i, h in ((i, wire.parse_hello(m)) for i, m in others)
                    if h.learner_id == hello.learner_id and (i == others[0][0] or h.pieces is not None)}
         self._pending = _Pending(pend.layout, seeders, hello.learner_id, hello.settings, self.clock(), waiting=others)
         self._event("init_request", learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
@@ -909,7 +966,8 @@ class SyncerService:
         if not peer.owns(p):
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.current[p]
-        self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=p, version=upd.version)
+        self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
+                    version=upd.version)
         self._send_update(ident, upd, self._update_frames(peer, upd, full=True))
 
     def _init(self, ident: bytes, msg: wire.Message) -> None:
@@ -962,7 +1020,7 @@ class SyncerService:
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
         self.core = SyncerCore(config, layout, values, epoch=self.epoch)
-        self.metrics.versions(self.core.versions)
+        self._versions_to_metrics()
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
@@ -986,10 +1044,11 @@ class SyncerService:
                             mine = self._update_frames(peer, action.update, reset=action.reset)
                         else:
                             mine = frames = frames or wire.update_frames(
-                                action.update, reset=action.reset, syncer=SyncerSettings.from_config(self.config))
+                                self._out(action.update), reset=action.reset,
+                                syncer=SyncerSettings.from_config(self.config))
                         self._send_update(ident, action.update, mine, reset=action.reset)
             elif isinstance(action, LogRecord):
-                record = action.record
+                record = self.shard.record(action.record)  # the model's fragment numbers from here on
                 self.metrics.record(record)  # before the log's rate limit: metrics count every one
                 if record["event"] == "reject":
                     logged = self._limiter.allow(("reject", record["learner"]), t0, learner=record["learner"])
@@ -1003,20 +1062,19 @@ class SyncerService:
                     if record["learner"] in self._stats:
                         self._stats[record["learner"]].rejected += 1
                     reason = f"contribution rejected: {record['reason']}"
-                    for ident in self._ranks_of(record["learner"]):
-                        self._reply_error(ident, "rejected", reason)
-                if action.record["event"] == "merge":
-                    merged.append(action.record["fragment"])
-                    self._last_merge[action.record["fragment"]] = {
-                        "t": action.record["t"], "version": action.record["version"],
-                        "merged": list(action.record["merged"])}
+                    for rank_ident in self._ranks_of(record["learner"]):
+                        self._reply_error(rank_ident, "rejected", reason)
+                if record["event"] == "merge":
+                    merged.append(action.record["fragment"])  # the core's numbering: it is told the sync time
+                    self._last_merge[record["fragment"]] = {
+                        "t": record["t"], "version": record["version"], "merged": list(record["merged"])}
                     self._progress.merges += 1
-                    self._progress.learners.update(action.record["merged"])
+                    self._progress.learners.update(record["merged"])
             elif isinstance(action, SendMomentUpdate):
                 frames = None
                 for ident, peer in self.peers.items():
                     if peer.learner_id in action.to and peer.owns(action.update.fragment):
-                        frames = frames or wire.moments_update_frames(action.update)
+                        frames = frames or wire.moments_update_frames(self._out(action.update))
                         self._send(ident, list(frames))
             elif isinstance(action, AdviseLearner):
                 self.metrics.failslow(action)
@@ -1034,6 +1092,10 @@ class SyncerService:
             self.merges += len(merged)
             if self.merges // self.service.checkpoint_every > before:
                 self.checkpoint()
+
+    def _versions_to_metrics(self) -> None:
+        assert self.core is not None
+        self.metrics.versions({self.shard.to_global(p): v for p, v in enumerate(self.core.versions)})
 
     def _forget_pieces(self, lid: str, reason: str) -> None:
         if self._assembler is not None:
@@ -1103,7 +1165,7 @@ class SyncerService:
             reset = reset or waiting == "reset"
             peer = self.peers.get(ident)
             frames = (self._update_frames(peer, upd, reset=reset, full=True) if peer is not None
-                      else wire.update_frames(upd, reset=reset, full=True,
+                      else wire.update_frames(self._out(upd), reset=reset, full=True,
                                               syncer=SyncerSettings.from_config(self.config)))
             self.superseded_updates += 1
         box.add_latest(upd.fragment, frames, "reset" if reset else "")
@@ -1139,14 +1201,17 @@ class SyncerService:
         if self.core is None or not self.service.checkpoint_dir:
             return None
         tensors, meta = self.core.state_dict()
-        meta = {**meta, "layout": layout_to_wire(self.core.fragments), "merges": self.merges,
+        assert self._layout is not None
+        # The model's whole layout and this shard's place in it: ``theta/{p}/...`` count the
+        # shard's fragments from 0 (``Shard.fragments``); export and resume map them back.
+        meta = {**meta, "layout": layout_to_wire(self._layout), "shard": str(self.shard), "merges": self.merges,
                 "rejected_messages": self.rejected_messages}
         if self._first is not None:
             meta["first_learner"] = {"learner": self._first[0], "settings": self._first[1].to_wire()}
         path = save_checkpoint(self.service.checkpoint_dir, tensors, meta)
         self._checkpoint_at = self.clock()
         self.metrics.checkpointed(self._checkpoint_at)
-        self._event("checkpoint", path=str(path), versions=list(self.core.versions))
+        self._event("checkpoint", path=str(path), versions=list(self.core.versions), **self._shard_field())
         return path
 
     def status(self) -> dict[str, Any]:
@@ -1160,6 +1225,7 @@ class SyncerService:
 
         syncer: dict[str, Any] = {
             "endpoint": self.endpoint,
+            "shard": str(self.shard),
             "state": "running" if core is not None else "initialising" if self._pending else "waiting for a learner",
             "uptime_s": age(self.started_at),
             "protocol": wire.PROTOCOL_VERSION,
@@ -1178,9 +1244,9 @@ class SyncerService:
         fragments: list[dict[str, Any]] = []
         for p, spec in enumerate(core.fragments if core is not None else ()):
             assert core is not None
-            rnd, last = core.rounds[p], self._last_merge.get(p)
+            rnd, last = core.rounds[p], self._last_merge.get(self.shard.to_global(p))
             fragments.append({
-                "fragment": p,
+                "fragment": self.shard.to_global(p),
                 "version": core.versions[p],
                 "tensors": len(spec.tensors),
                 "bytes": spec.nbytes,
@@ -1223,7 +1289,13 @@ class SyncerService:
         if loaded is None:
             raise ConfigError(f"resume: no checkpoint in {self.service.checkpoint_dir}")
         tensors, meta = loaded
-        layout = layout_from_wire(meta["layout"])
+        saved = parse_shard(meta.get("shard", "0/1"))  # checkpoints written before shards: the whole model
+        if saved != self.shard:
+            raise ConfigError(f"resume: the checkpoint in {self.service.checkpoint_dir} is syncer shard {saved}'s, "
+                              f"this syncer is --shard {self.shard}; give each shard its own --checkpoint-dir and "
+                              "resume it with the --shard it was started with")
+        self._layout = layout_from_wire(meta["layout"])
+        layout = self.shard.fragments(self._layout)
         values = [[tensors[f"theta/{p}/{i}"] for i in range(len(f.tensors))] for p, f in enumerate(layout)]
         first = meta.get("first_learner")
         if first is not None:
@@ -1231,10 +1303,10 @@ class SyncerService:
         self._start_core(layout, values, None if self._first is None else self._first[1])
         assert self.core is not None
         self.core.load_state_dict(tensors, meta)
-        self.metrics.versions(self.core.versions)
+        self._versions_to_metrics()
         self.merges = int(meta.get("merges", 0))
         self.rejected_messages = int(meta.get("rejected_messages", 0))
-        self._event("resumed", versions=list(self.core.versions))
+        self._event("resumed", versions=list(self.core.versions), **self._shard_field())
 
     def _setup_curve(self) -> None:
         s = self.service
@@ -1279,6 +1351,10 @@ class SyncerService:
                 if self._log_file:
                     self._log_file.close()
                     self._log_file = None
+
+    def _shard_field(self) -> dict[str, str]:
+        """For records that list every fragment's version: which fragments (a shard's, from 0)."""
+        return {} if self.shard.whole else {"shard": str(self.shard)}
 
     def _event(self, event: str, **fields: Any) -> None:
         self._record({"event": event, "t": self.clock(), **fields})

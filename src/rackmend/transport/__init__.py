@@ -2,11 +2,14 @@
 
 ``base`` defines the learner-side contract; ``inprocess`` carries messages through
 queues inside one Python process; ``zmq_link`` reaches a ``rackmend syncer`` service;
-``status`` asks a running syncer for its read-only status (``rackmend status``).
+``sharded`` reaches a syncer split into shards (``connect`` takes one endpoint or
+several); ``status`` asks a running syncer for its read-only status (``rackmend status``).
 """
 
 from rackmend.transport.base import LearnerLink, TransportError
 from rackmend.transport.inprocess import InProcessLink, InProcessSyncer
+from rackmend.transport.sharded import ShardedLink, connect
 from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink
 
-__all__ = ["LearnerLink", "TransportError", "InProcessLink", "InProcessSyncer", "ZmqLink", "CurveClientKeys"]
+__all__ = ["LearnerLink", "TransportError", "InProcessLink", "InProcessSyncer", "ZmqLink", "ShardedLink", "connect",
+           "CurveClientKeys"]

@@ -28,6 +28,7 @@ from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
 from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.shards import Shard
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -112,6 +113,8 @@ MAX_WIRE_INT = 2**63 - 1
 MAX_WORLD = 1 << 16
 """The most ranks one learner (one torchrun rack) may declare; a hello claiming more is
 refused at parse time, before the syncer sizes anything by it."""
+MAX_SHARDS = 1 << 10
+"""The most syncer shards a hello may name."""
 MAX_SYNC_EVERY = 1 << 24
 """The largest ``sync_every`` (and DES-LOC period) a hello may carry: 16M inner steps
 between syncs is far past any useful schedule, and the syncer's counters stay small."""
@@ -286,13 +289,17 @@ def parse_fail_slow(msg: Message, learner_id: str | None = None) -> FailSlowRepo
 
 
 def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
-                 settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Any]:
+                 settings: LearnerSettings, pieces: RankPieces | None = None,
+                 shard: Shard | None = None) -> list[Any]:
     """Announce a learner rank: its layout, the settings the syncer checks and, for a
-    rank of a sharded rack, the pieces it owns (None: whole fragments p = rank mod world)."""
+    rank of a sharded rack, the pieces it owns (None: whole fragments p = rank mod world).
+    ``shard``: the syncer shard this hello is meant for (sent only to a sharded syncer,
+    which refuses a hello meant for another shard: endpoints given in the wrong order)."""
     return encode({"type": "hello", "learner": learner_id, "rank": rank, "world": world,
                    "layout": layout_to_wire(fragments), "fingerprint": fingerprint(fragments),
                    "settings": settings.to_wire(),
-                   **({} if pieces is None else {"pieces": [pieces_to_wire(ps) for ps in pieces]})})
+                   **({} if pieces is None else {"pieces": [pieces_to_wire(ps) for ps in pieces]}),
+                   **({} if shard is None or shard.whole else {"shard": [shard.index, shard.count]})})
 
 
 def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor],
@@ -384,6 +391,9 @@ class Hello:
     """The pieces a rank of a sharded rack owns, per fragment; None: a plain rank. Their
     structure is checked here, their bounds by the syncer (``pieces_problem``), which
     refuses the learner by name."""
+    shard: Shard = Shard()
+    """The syncer shard the learner meant this hello for (``0/1`` when it names none: a
+    learner that talks to one syncer for the whole model)."""
 
 
 def _codec_setting(raw: dict[str, Any], name: str) -> str:
@@ -455,7 +465,14 @@ def parse_hello(msg: Message) -> Hello:
             pieces = tuple(pieces_from_wire(ps) for ps in raw_pieces)
         except ValueError as exc:
             raise WireError(f"hello: {exc}") from None
-    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces)
+    shard = Shard()
+    if "shard" in h:
+        raw_shard = _field(h, "shard", list)
+        if len(raw_shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_shard) \
+                or not 0 <= raw_shard[0] < raw_shard[1] <= MAX_SHARDS:
+            raise WireError(f"hello: shard must be [s, S] with 0 <= s < S <= {MAX_SHARDS}, got {str(raw_shard)[:40]}")
+        shard = Shard(*raw_shard)
+    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces, shard)
 
 
 def message_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int) -> tuple[Piece, ...] | None:

@@ -40,6 +40,7 @@ from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, Update
 from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
 from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.shards import Shard
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
 from rackmend.transport.outbox import SHORT_HWM, Outbox
@@ -96,9 +97,16 @@ class ZmqLink(QueueLink):
         max_message_bytes: int = 1 << 31,
         leave_timeout_s: float = 3.0,
         join_progress_s: float = 5.0,
+        shard: Shard = Shard(),
     ) -> None:
         super().__init__(lambda: self._error)
+        if "," in endpoint:
+            raise ValueError(f"{endpoint!r} lists several endpoints: a sharded syncer is reached through "
+                             "rackmend.transport.connect(endpoints) (a ShardedLink), one ZmqLink per shard")
         self.endpoint = endpoint
+        self.shard = shard
+        """The syncer shard at ``endpoint``: this link carries its fragments only (all of
+        them for ``0/1``, one syncer for the whole model). ``ShardedLink`` sets it."""
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank and world_size, or neither (then they come from torch.distributed)")
         if rank is None or world_size is None:
@@ -173,7 +181,8 @@ class ZmqLink(QueueLink):
     @classmethod
     def from_env(cls, endpoint: str | None = None, **kwargs: Any) -> "ZmqLink":
         """A link whose endpoint comes from the argument or ``RACKMEND_CONNECT``; rank and
-        world size as in the constructor."""
+        world size as in the constructor. For several endpoints (a sharded syncer) use
+        ``rackmend.transport.connect``, which reads the same variable."""
         endpoint = endpoint or os.environ.get("RACKMEND_CONNECT")
         if not endpoint:
             raise TransportError("no syncer endpoint: pass one or set RACKMEND_CONNECT=tcp://host:port")
@@ -188,12 +197,14 @@ class ZmqLink(QueueLink):
         owned ones seed a fresh syncer). Updates carry those pieces only."""
         self.learner_id = learner_id
         self._fragments = list(fragments)
-        self._owned = pieces if pieces is not None else whole_pieces(fragments, self.rank, self.world_size)
+        owned = pieces if pieces is not None else whole_pieces(fragments, self.rank, self.world_size)
+        self._owned = tuple(ps if self.shard.owns(p) else () for p, ps in enumerate(owned))
         self._wire_pieces = [None if pieces is None else wire_pieces(f, ps) for f, ps in zip(fragments, self._owned)]
         self._initial = [[initial[f.index][pc.tensor].detach().cpu().clone() for pc in ps]
                          for f, ps in zip(fragments, self._owned)] if pieces is not None else \
-            [[t.detach().cpu().clone() for t in ts] for ts in initial]
-        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings, pieces)
+            [[t.detach().cpu().clone() for t in ts] if self.shard.owns(p) else [] for p, ts in enumerate(initial)]
+        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings, pieces,
+                                        shard=self.shard)
         self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
         self._thread.start()
         got: dict[int, Update] = {}

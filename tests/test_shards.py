@@ -1,0 +1,145 @@
+"""Syncer shards (``rackmend syncer --shard s/S``): each shard owns the fragments p with
+p mod S == s and nothing else; a learner routes each fragment to its shard. Two shards
+with three learner processes equal the single-process reference bit for bit; a SIGKILLed
+shard pauses only its own fragments and resumes from its own checkpoint; a learner that
+gives the shards' endpoints in the wrong order, or one endpoint only, is refused by name."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.config import ConfigError
+from rackmend.core.fragments import pack_fragments
+from rackmend.core.shards import Shard, owner, parse_shard
+from rackmend.core.settings import LearnerSettings
+from rackmend.transport import wire
+
+from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
+from procs import LEARNER, Procs, finish, progress, wait_for
+from reference import reference_run
+from test_trust import CONFIG, Raw
+
+
+def shard_events(tmp: Path, s: int) -> list[dict]:
+    path = tmp / f"shard{s}.jsonl"
+    if not path.exists():
+        return []
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def start_shard(procs: Procs, tmp: Path, s: int, count: int, *flags: str, name: str | None = None) -> tuple:
+    return procs.syncer("--shard", f"{s}/{count}", "--log", str(tmp / f"shard{s}.jsonl"), *flags,
+                        name=name or f"shard{s}")
+
+
+# ------------------------------------------------------------------ the rule
+def test_shard_numbering_and_refusals() -> None:
+    two = [Shard(0, 2), Shard(1, 2)]
+    assert [owner(p, 2) for p in range(5)] == [0, 1, 0, 1, 0]
+    assert [two[1].local(p) for p in (1, 3, 5)] == [0, 1, 2]
+    assert [two[1].to_global(i) for i in range(3)] == [1, 3, 5]
+    frags = pack_fragments(make_model(), 4, 4)
+    mine = two[1].fragments(frags)
+    assert [f.index for f in mine] == [0, 1] and [f.tensors for f in mine] == [frags[1].tensors, frags[3].tensors]
+    assert two[0].select("abcd") == ("a", "c")
+    assert two[1].record({"event": "merge", "fragment": 1}) == {"event": "merge", "fragment": 3}
+    assert parse_shard("1/3") == Shard(1, 3)
+    for bad in ("2/2", "1", "-1/2", "a/b", "0/0"):
+        with pytest.raises(ConfigError, match="shard"):
+            parse_shard(bad)
+
+
+def test_a_hello_for_another_shard_or_an_unsharded_learner_is_refused_by_name() -> None:
+    svc, records, thread = serving(CONFIG, shard="1/2")
+    try:
+        for shard, expect in ((Shard(0, 2), "meant for syncer shard 0/2, but it is shard 1/2"),
+                              (Shard(), "meant for syncer shard 0/1, but it is shard 1/2")):
+            raw = Raw(svc.endpoint, "l0")
+            try:
+                raw.send(wire.hello_frames("l0", 0, 1, raw.frags, LearnerSettings.from_config(CONFIG), shard=shard))
+                reply = raw.recv(10.0)
+            finally:
+                raw.close()
+            assert reply is not None and reply[0]["code"] == "fatal" and expect in reply[0]["reason"], reply
+            assert "every shard's endpoint, in shard order" in reply[0]["reason"]
+        # The right one joins; a message about the other shard's fragment is refused, naming it.
+        raw = Raw(svc.endpoint, "l1")
+        try:
+            raw.send(wire.hello_frames("l1", 0, 1, raw.frags, LearnerSettings.from_config(CONFIG),
+                                       shard=Shard(1, 2)))
+            assert raw.recv(10.0)[0]["type"] == "init_request"
+            raw.send(wire.init_frames("l1", 0, 0, [torch.zeros(t.shape) for t in raw.frags[0].tensors]))
+            err = next(h for h, _ in iter(lambda: raw.recv(10.0), None) if h["type"] == "error")
+            assert "fragment 0 belongs to syncer shard 0 of 2" in err["reason"], err
+        finally:
+            raw.close()
+    finally:
+        svc.stop()
+        thread.join(20)
+
+
+# ------------------------------------------------------------------ real processes
+def test_two_shards_and_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path) -> None:
+    ids, H, P, tau, steps = ["l0", "l1", "l2"], 3, 4, 1, 12
+    flags = ("--deterministic", "--min-quorum", "3", "--learners", ",".join(ids), "--overlap", str(tau))
+    endpoints = [start_shard(procs, tmp_path, s, 2, *flags)[1] for s in range(2)]
+    learners = {lid: procs.start([*LEARNER, "--endpoint", ",".join(endpoints), "--id", lid, "--steps", str(steps),
+                                  "--H", str(H), "--P", str(P), "--tau", str(tau), "--deterministic",
+                                  "--learners", ",".join(ids), "--out", str(tmp_path / f"{lid}.safetensors")], lid)
+                for lid in ids}
+    for lid, proc in learners.items():
+        finish(proc, procs, lid, timeout=120)
+    config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau),
+                            syncer=SyncerConfig(min_quorum=3, learners=tuple(ids)), deterministic=True)
+    torch.set_num_threads(1)
+    ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
+    assert_files_equal_reference(tmp_path, ids, ref_models)
+    for s in range(2):  # each shard merged its own fragments, named as the model numbers them
+        merges = [e for e in shard_events(tmp_path, s) if e["event"] == "merge"]
+        assert {e["fragment"] for e in merges} == {p for p in range(P) if p % 2 == s}
+        assert len(merges) >= 2 * 3 and all(e["merged"] == ids for e in merges)
+
+
+def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoint(
+        procs: Procs, tmp_path: Path) -> None:
+    flags = ("--min-quorum", "1", "--learners", "l0,l1", "--grace-max", "0.3", "--checkpoint-every", "4")
+    shards = [start_shard(procs, tmp_path, s, 2, *flags, "--checkpoint-dir", str(tmp_path / f"ck{s}"))
+              for s in range(2)]
+    endpoints = ",".join(e for _, e in shards)
+    learner_flags = ("--steps", "100000", "--step-sleep", "0.02", "--P", "4", "--H", "4", "--tau", "2")
+    pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
+    a = procs.learner(endpoints, "l0", *learner_flags, "--progress", str(pa))
+    b = procs.learner(endpoints, "l1", *learner_flags, "--progress", str(pb))
+    wait_for(lambda: any(e["event"] == "checkpoint" for e in shard_events(tmp_path, 1)), 90,
+             "shard 1's first checkpoint", (a, b))
+    killed, _ = shards[1]
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(10)
+    saved = [e for e in shard_events(tmp_path, 1) if e["event"] == "checkpoint"][-1]["versions"]
+    before = len(shard_events(tmp_path, 0))
+    step = progress(pa)[0]
+    wait_for(lambda: progress(pa)[0] >= step + 40, 60, "l0 to keep stepping with shard 1 down", (a, b))
+    during = [e for e in shard_events(tmp_path, 0)[before:] if e["event"] == "merge"]
+    assert len(during) >= 4 and {e["fragment"] for e in during} == {0, 2}, "shard 0 stopped merging"
+    port = shards[1][1].rsplit(":", 1)[1]
+    start_shard(procs, tmp_path, 1, 2, *flags, "--checkpoint-dir", str(tmp_path / "ck1"), "--resume", "--bind",
+                f"tcp://127.0.0.1:{port}", name="shard1-resumed")
+    resumed = [e for e in shard_events(tmp_path, 1) if e["event"] == "resumed"][-1]
+    assert resumed["shard"] == "1/2" and all(r >= v for r, v in zip(resumed["versions"], saved)), \
+        "a checkpointed merge of the killed shard was lost"
+    wait_for(lambda: {lid for e in shard_events(tmp_path, 1) if e["event"] == "merge" and e["t"] > resumed["t"]
+                      for lid in e["merged"]} >= {"l0", "l1"}, 90, "both learners to merge on the resumed shard",
+             (a, b))
+    after = [e for e in shard_events(tmp_path, 1) if e["event"] == "merge" and e["t"] > resumed["t"]]
+    assert all(e["fragment"] in (1, 3) for e in after)
+    assert all(e["version"] > resumed["versions"][Shard(1, 2).local(e["fragment"])] for e in after)
+    for proc, name in ((a, "l0"), (b, "l1")):
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, procs.output(name)[-3000:]
