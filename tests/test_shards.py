@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.shards import Shard, owner, parse_shard
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.export import ExportError, export_model
 from rackmend.transport import wire
 
 from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
@@ -119,6 +123,15 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     b = procs.learner(endpoints, "l1", *learner_flags, "--progress", str(pb))
     wait_for(lambda: any(e["event"] == "checkpoint" for e in shard_events(tmp_path, 1)), 90,
              "shard 1's first checkpoint", (a, b))
+    # `rackmend status` over both shards: one view, every fragment, each learner once.
+    view = subprocess.run([sys.executable, "-m", "rackmend.cli", "status", endpoints, "--once", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert view.returncode == 0, view.stderr
+    status = json.loads(view.stdout)
+    assert [f["fragment"] for f in status["fragments"]] == [0, 1, 2, 3]
+    assert [x["shard"] for x in status["syncer"]["shards"]] == ["0/2", "1/2"]
+    assert [ln["id"] for ln in status["learners"]] == ["l0", "l1"]
+    assert status["syncer"]["merges"] == sum(x["merges"] for x in status["syncer"]["shards"]) > 0
     killed, _ = shards[1]
     killed.send_signal(signal.SIGKILL)
     killed.wait(10)
@@ -143,3 +156,16 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     for proc, name in ((a, "l0"), (b, "l1")):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130, procs.output(name)[-3000:]
+    for proc in (shards[0][0], procs.started[-1]):  # shard 0 and the resumed shard 1: a final checkpoint each
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    # The global model is every shard's checkpoint together; one shard's alone is refused by name.
+    out = tmp_path / "model.safetensors"
+    result = export_model([tmp_path / "ck1", tmp_path / "ck0"], out)
+    model = make_model()
+    assert sorted(result.synced) == sorted(n for n, _ in model.named_parameters())
+    model.load_state_dict(load_file(str(out)))
+    last = {s: [e for e in shard_events(tmp_path, s) if e["event"] == "checkpoint"][-1]["versions"] for s in (0, 1)}
+    assert result.versions == [last[p % 2][p // 2] for p in range(4)]
+    with pytest.raises(ExportError, match="shards 1/2 are missing"):
+        export_model(tmp_path / "ck0", tmp_path / "half.safetensors")

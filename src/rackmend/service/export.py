@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,6 +39,7 @@ from rackmend.core.fragments import (
     model_tensors,
     unwrap_model,
 )
+from rackmend.core.shards import Shard, parse_shard
 from rackmend.service.checkpoint import CHECKPOINT_NAME
 
 __all__ = ["ExportError", "ExportResult", "export_model", "read_global_model", "add_arguments", "main"]
@@ -85,10 +86,51 @@ def _checkpoint_file(checkpoint: str | os.PathLike[str]) -> Path:
     return path
 
 
-def read_global_model(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+def read_global_model(checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
     """The global Θ of a syncer checkpoint by canonical name (model order), its metadata
     and the file read. Raises ``ExportError`` for a missing, foreign or corrupt file.
-    Only the Θ entries are read (optimizer state and history stay on disk)."""
+    Only the Θ entries are read (optimizer state and history stay on disk).
+
+    A sharded syncer (``--shard s/S``) writes one checkpoint per shard, each holding its
+    own fragments: pass every shard's (any order). The metadata returned then has the
+    model's ``layout``, ``versions`` per fragment in the model's numbering, the shards'
+    ``merges`` added up, and ``checkpoints``: every file read."""
+    paths = [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint)
+    if not paths:
+        raise ExportError("no checkpoint given")
+    parts = [_read_checkpoint(p) for p in paths]
+    count = {shard.count for _, _, _, shard in parts}
+    if len(count) > 1:
+        raise ExportError(f"the checkpoints are of syncers split {sorted(count)} ways: pass the checkpoints of the "
+                          "shards of one run")
+    total = count.pop()
+    have = {shard.index: path for _, _, path, shard in parts}
+    if len(have) < len(parts):
+        raise ExportError(f"two of the checkpoints are the same shard's: {[str(p) for _, _, p, _ in parts]}")
+    if len(have) < total:
+        missing = [f"{s}/{total}" for s in range(total) if s not in have]
+        raise ExportError(f"the syncer ran as {total} shards, and the checkpoints of shards {', '.join(missing)} are "
+                          "missing: pass every shard's --checkpoint-dir (each holds only its own fragments)")
+    layouts = {json.dumps(meta["layout"]) for _, meta, _, _ in parts}
+    if len(layouts) > 1:
+        raise ExportError("the shards' checkpoints hold different models' layouts: pass the shards of one run")
+    layout = layout_from_wire(parts[0][1]["layout"])
+    theta: dict[str, torch.Tensor] = {}
+    versions = [0] * len(layout)
+    for values, meta, _, shard in sorted(parts, key=lambda x: x[3].index):
+        theta.update(values)
+        for local, v in enumerate(meta.get("versions", [])):
+            versions[shard.to_global(local)] = int(v)
+    theta = {t.name: theta[t.name] for f in layout for t in f.tensors}  # the model's order
+    meta = {**parts[0][1], "versions": versions, "merges": sum(int(m.get("merges", 0)) for _, m, _, _ in parts),
+            "checkpoints": [str(p) for _, _, p, _ in parts]}
+    return theta, meta, parts[0][2]
+
+
+def _read_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path,
+                                                                    Shard]:
+    """One checkpoint's Θ by canonical name (its shard's fragments), metadata, file and shard."""
     path = _checkpoint_file(checkpoint)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -99,12 +141,13 @@ def read_global_model(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, tor
             try:
                 meta = json.loads(raw)
                 layout: list[FragmentSpec] = layout_from_wire(meta.get("layout"))
+                shard = parse_shard(meta.get("shard", "0/1"))  # older checkpoints: one syncer, the whole model
             except (ValueError, AttributeError) as exc:
                 raise ExportError(f"{path}: the checkpoint's metadata is corrupt ({exc}); use an earlier copy "
                                   "of the checkpoint") from None
             keys = set(f.keys())
             out: dict[str, torch.Tensor] = {}
-            for frag in layout:
+            for frag in shard.fragments(layout):
                 for i, spec in enumerate(frag.tensors):
                     key = f"theta/{frag.index}/{i}"
                     if key not in keys:
@@ -123,7 +166,7 @@ def read_global_model(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, tor
                           "use an earlier copy of the checkpoint") from None
     except OSError as exc:
         raise ExportError(f"{path} cannot be read: {exc}") from None
-    return out, meta, path
+    return out, meta, path, shard
 
 
 def _why_not_synced(model: nn.Module, name: str, tensor: torch.Tensor) -> str:
@@ -180,7 +223,7 @@ def _state_from_model(theta: dict[str, torch.Tensor], model: nn.Module,
 
 
 def export_model(
-    checkpoint: str | os.PathLike[str],
+    checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str],
     *,
     model: nn.Module | None = None,
@@ -189,7 +232,8 @@ def export_model(
     """Write the global model of a syncer checkpoint to ``out`` (safetensors) under the
     model's own parameter and buffer names.
 
-    ``checkpoint``: the syncer's ``--checkpoint-dir`` or its ``syncer.safetensors``.
+    ``checkpoint``: the syncer's ``--checkpoint-dir`` or its ``syncer.safetensors``; for
+    a sharded syncer, every shard's (a list).
     Without ``model`` the file holds what rackmend synchronises (trainable parameters and
     floating buffers), which ``load_state_dict(strict=True)`` accepts when the model has
     no tied weights, frozen parameters or integer buffers. With ``model`` (not modified)
@@ -203,7 +247,7 @@ def export_model(
                           "(tied names, frozen parameters, integer buffers): pass model= as well (--model)")
     theta, meta, path = read_global_model(checkpoint)
     out_path = Path(out)
-    if out_path.resolve() == path.resolve():
+    if any(out_path.resolve() == Path(p).resolve() for p in meta["checkpoints"]):
         raise ExportError(f"--out {out} is the checkpoint itself; choose another file")
     aliases: dict[str, str] = {}
     filled: dict[str, str] = {}
@@ -221,7 +265,7 @@ def export_model(
                 raise ExportError(f"cannot read the base state file {base}: {exc}") from None
         tensors, aliases, filled = _state_from_model(theta, model, base_map, base_name)
     versions = [int(v) for v in meta.get("versions", [])]
-    provenance = {"checkpoint": str(path), "versions": versions, "merges": int(meta.get("merges", 0)),
+    provenance = {"checkpoint": str(path), "checkpoints": meta["checkpoints"], "versions": versions, "merges": int(meta.get("merges", 0)),
                   "aliases": aliases, "filled": filled}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
@@ -254,7 +298,9 @@ def _load_factory(spec: str) -> Callable[[], nn.Module]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="the syncer's --checkpoint-dir, or its syncer.safetensors")
+    p.add_argument("checkpoint", type=Path, nargs="+",
+                   help="the syncer's --checkpoint-dir, or its syncer.safetensors; for a sharded syncer, every "
+                        "shard's (each holds its own fragments)")
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write (e.g. model.safetensors)")
     p.add_argument("--model", metavar="MODULE:CALLABLE", default=None,
                    help="a function building the model (called without arguments, imported from the current "
@@ -274,8 +320,9 @@ def main(args: argparse.Namespace) -> int:
                 raise ExportError(f"--model {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
         elif args.base is not None:
             raise ExportError("--base needs --model (the model says which entries are missing and how they are tied)")
-        print(f"reading {args.checkpoint}", file=sys.stderr, flush=True)
-        result = export_model(args.checkpoint, args.out, model=model, base=args.base)
+        print(f"reading {', '.join(str(c) for c in args.checkpoint)}", file=sys.stderr, flush=True)
+        result = export_model(args.checkpoint if len(args.checkpoint) > 1 else args.checkpoint[0], args.out,
+                              model=model, base=args.base)
     except ExportError as exc:
         print(f"rackmend export: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,10 @@ bytes each way) and the round of each fragment (version, who is in, age). Ctrl-C
 ends it; ``--iterations`` bounds it. ``--once --json`` prints one JSON document for
 scripts and exits non-zero when the syncer does not answer within ``--timeout``.
 
+A sharded syncer (``--shard s/S``) is asked shard by shard: give every shard's
+endpoint, comma-separated, and the view is one syncer's (``combine``): the fragments
+of all shards, each learner's counts added up over the shards, and a line per shard.
+
 The request itself lives in ``rackmend.transport.status``; the answer is built by
 ``SyncerService.status``.
 """
@@ -18,20 +22,22 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from contextlib import ExitStack
+from typing import Any, Sequence, TextIO
 
 from rackmend.transport.base import TransportError
 from rackmend.transport.status import StatusClient, StatusTimeout
 from rackmend.transport.zmq_link import CurveClientKeys
 
-__all__ = ["add_arguments", "main", "render"]
+__all__ = ["add_arguments", "main", "render", "combine"]
 
 CLEAR = "\x1b[H\x1b[2J"
 """ANSI: cursor home, clear screen (what ``top`` does between frames, minus curses)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("endpoint", help="the syncer's endpoint, e.g. tcp://sync:5555")
+    p.add_argument("endpoint", help="the syncer's endpoint, e.g. tcp://sync:5555; a sharded syncer: every shard's, "
+                   "comma-separated")
     p.add_argument("--once", action="store_true", help="ask once, print, exit")
     p.add_argument("--json", action="store_true", help="print the status as JSON: with --once one document, "
                    "otherwise one document per line per refresh")
@@ -86,6 +92,46 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [line(headers)] + [line(r) for r in rows]
 
 
+_SUMMED = ("merges", "rejected_messages", "rejected_contributions", "superseded_updates", "status_requests")
+"""Syncer counters that add up over shards."""
+_LEARNER_SUMS = ("contributions", "rejected", "bytes_in", "bytes_out")
+
+
+def combine(statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One status of a syncer split into shards, from each shard's: counters added up,
+    every shard's fragments (each shard names its own in the model's numbering), each
+    learner's entries merged (counts added, the freshest ``last_seen``, the largest lag),
+    and ``syncer.shards``: each shard's own syncer entry."""
+    if len(statuses) == 1:
+        return statuses[0]
+    syncers = [st["syncer"] for st in statuses]
+    syncer = {**syncers[0], **{k: sum(x.get(k) or 0 for x in syncers) for k in _SUMMED},
+              "endpoint": ",".join(str(x.get("endpoint")) for x in syncers),
+              "state": syncers[0].get("state") if len({x.get("state") for x in syncers}) == 1 else "mixed",
+              "checkpoint_age_s": max((x["checkpoint_age_s"] for x in syncers if x.get("checkpoint_age_s") is not None),
+                                      default=None),
+              "shards": syncers}
+    fragments = sorted((f for st in statuses for f in st.get("fragments", [])), key=lambda f: f["fragment"])
+    learners: dict[str, dict[str, Any]] = {}
+    for st in statuses:
+        for ln in st.get("learners", []):
+            have = learners.get(ln["id"])
+            if have is None:
+                learners[ln["id"]] = dict(ln)
+                continue
+            for k in _LEARNER_SUMS:
+                have[k] = (have.get(k) or 0) + (ln.get(k) or 0)
+            have["ranks"] = sorted(set(have.get("ranks", [])) | set(ln.get("ranks", [])))
+            for k in ("last_seen_s", "last_contribution_s"):
+                have[k] = min((v for v in (have.get(k), ln.get(k)) if v is not None), default=None)
+            for k in ("version_lag", "step", "world"):
+                have[k] = max((v for v in (have.get(k), ln.get(k)) if v is not None), default=None)
+            have["based_on"] = sorted(have.get("based_on", []) + ln.get("based_on", []), key=lambda b: b["fragment"])
+            if ln.get("state") == "connected":
+                have["state"] = "connected"
+    return {"syncer": syncer, "fragments": fragments, "learners": [learners[k] for k in sorted(learners)]}
+
+
 def render(status: dict[str, Any], endpoint: str) -> str:
     """The status as the two tables of the interactive view (plain text)."""
     s = status.get("syncer", {})
@@ -93,6 +139,8 @@ def render(status: dict[str, Any], endpoint: str) -> str:
         f"rackmend syncer {endpoint}  {s.get('state', '?')}  up {_fmt_s(s.get('uptime_s'))}  "
         f"merges {s.get('merges', 0)}  grace {_fmt_s(s.get('grace_s'))}  quorum {s.get('min_quorum', '?')}"
         f"{'  deterministic' if s.get('deterministic') else ''}{'  curve' if s.get('curve') else ''}",
+        *(f"  shard {x.get('shard')} at {x.get('endpoint')}: {x.get('state')}, merges {x.get('merges', 0)}"
+          for x in s.get("shards", [])),
         f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
         f"checkpoint {_fmt_s(s.get('checkpoint_age_s'))} ago" if s.get("checkpoint_age_s") is not None else
         f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
@@ -145,7 +193,9 @@ def _main(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.timeout <= 0 or args.interval < 0:
         print("rackmend status: --timeout must be > 0 and --interval >= 0 seconds", file=sys.stderr)
         return 2
-    with StatusClient(args.endpoint, curve=curve) as client:
+    endpoints = [e.strip() for e in args.endpoint.split(",") if e.strip()]
+    with ExitStack() as stack:
+        client = _Shards([stack.enter_context(StatusClient(e, curve=curve)) for e in endpoints])
         if args.once:
             try:
                 status = client.query(args.timeout)
@@ -181,3 +231,22 @@ def _main(args: argparse.Namespace, stdout: TextIO) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+class _Shards:
+    """Every shard's client, asked in turn: one status (``combine``), or the first failure
+    naming its shard."""
+
+    def __init__(self, clients: list[StatusClient]) -> None:
+        self.clients = clients
+
+    def query(self, timeout: float) -> dict[str, Any]:
+        if len(self.clients) == 1:
+            return self.clients[0].query(timeout)
+        out = []
+        for s, client in enumerate(self.clients):
+            try:
+                out.append(client.query(timeout))
+            except TransportError as exc:
+                raise type(exc)(f"shard {s}/{len(self.clients)} at {client.endpoint}: {exc}") from exc
+        return combine(out)
