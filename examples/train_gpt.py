@@ -10,7 +10,8 @@ Compression: start the syncer with ``--uplink-codec int4 --downlink-codec int8``
 pass the same two flags here (the learner encodes with the uplink codec; the downlink
 one is the syncer's, kept here so both configs are equal).
 
-Your own training script changes in the same three places: build a ZmqLink, wrap the
+Your own training script changes in the same three places: build a link
+(``rackmend.transport.connect(endpoints)``: a ZmqLink, or a ShardedLink), wrap the
 inner optimizer in RackmendOptimizer, pass tokens to step().
 """
 
@@ -24,14 +25,15 @@ import zlib
 import torch
 
 from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig
-from rackmend.transport.zmq_link import CurveClientKeys, ZmqLink
+from rackmend.transport import CurveClientKeys, connect
 from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connect", default=os.environ.get("RACKMEND_CONNECT", "tcp://127.0.0.1:5555"),
-                   help="syncer endpoint (env RACKMEND_CONNECT)")
+                   help="syncer endpoint (env RACKMEND_CONNECT); a sharded syncer: every shard's endpoint, "
+                        "comma-separated, shard 0 first")
     p.add_argument("--id", default=os.environ.get("RACKMEND_LEARNER_ID"),
                    help="learner id, stable across restarts (env RACKMEND_LEARNER_ID)")
     p.add_argument("--steps", type=int, default=400)
@@ -61,7 +63,7 @@ def main() -> int:
     model = GPT(GPTConfig())
     corpus = ByteCorpus()
     opt = RackmendOptimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config,
-                            ZmqLink(a.connect, curve=curve), learner_id=a.id)
+                            connect(a.connect, curve=curve), learner_id=a.id)
     g = torch.Generator().manual_seed(zlib.crc32(a.id.encode()))
     t0 = time.perf_counter()
     for step in range(1, a.steps + 1):

@@ -510,9 +510,9 @@ def mend_init(
                           "optimizer: pass optimizer= (a torch.optim.Adam or AdamW) to mend_init")
     rconfig = config.to_rackmend(tuple(learners))
     if link is None:
-        from rackmend.transport.zmq_link import ZmqLink
+        from rackmend.transport.sharded import connect
 
-        link = ZmqLink.from_env(endpoint)
+        link = connect(endpoint)  # RACKMEND_CONNECT when None; several endpoints: a sharded syncer
     inner = optimizer if optimizer is not None else _CallerSteps(p for p in model.parameters() if p.requires_grad)
     opt = _MendOptimizer(model, inner, rconfig, link, learner_id=learner_id, mend=config)
     diagnostics = None
