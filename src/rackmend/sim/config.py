@@ -125,14 +125,16 @@ class Failures:
     pauses ``downscale_time``, trains on without the failed chips, tokens per step
     following its active chips, and pauses ``upscale_time`` to take them back once
     repaired after ``repair_time``)."""
-    restart_time: float = 85.0
+    restart_time: float = 76.0
     """Seconds a restarted learner (or, non-elastic, the whole data-parallel job) is down
     after a failure, before it trains again (relaunch, initialisation, checkpoint or value
     load). Calibrated on the paper's non-elastic data-parallel row (docs/simulate.md)."""
-    downscale_time: float = 12.0
+    downscale_time: float = 2.0
     """Seconds an elastic learner (or data-parallel job) stands still after a failure
-    while it reshapes onto the remaining chips. Calibrated on the paper's elastic
-    data-parallel row, with ``upscale_time`` (only their sum is identifiable there)."""
+    while it reshapes onto the remaining chips; a failure or repair during a reshape
+    extends it to ``downscale_time`` (``upscale_time``) after that one. Calibrated with
+    ``upscale_time`` on the paper's elastic data-parallel row (docs/simulate.md); mostly
+    their sum is identifiable there."""
     upscale_time: float = 12.0
     """Seconds an elastic learner (or job) stands still to take repaired chips back."""
     repair_time: float = 3600.0
@@ -170,7 +172,7 @@ class SimConfig:
     quorum, grace, outer optimizer, apply rule, codecs, deterministic mode)."""
     racks: tuple[RackSpec, ...] = (RackSpec(), RackSpec())
     """One entry per learner, learner i is named ``L{i}``."""
-    duration: float = 100.0
+    duration: float = 600.0
     """Virtual seconds simulated; events after it are not run."""
     seed: int = 0
     """Seeds the model's targets and the step-time jitter: one seed, one run."""

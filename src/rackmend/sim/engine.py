@@ -638,7 +638,9 @@ class Simulation:
             lr.pause_debt += seconds  # joining or waiting: served when it would train again
 
     def _extend_pause(self, lr: _Learner, seconds: float) -> None:
-        lr.paused_until = max(lr.paused_until, self.now) + seconds
+        # A reshape under way takes in a further failure or repair: it ends ``seconds``
+        # after the latest one, not after each in turn.
+        lr.paused_until = max(lr.paused_until, self.now + seconds)
         lr.gen += 1
         self._push(lr.paused_until, _RESUME, (lr.index, lr.life, lr.gen))
 
