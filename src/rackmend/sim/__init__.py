@@ -10,8 +10,8 @@ What does not live here: any rule of the algorithm, real training, real transpor
 its command line (``rackmend.sim.cli``).
 """
 
-from rackmend.sim.config import Kill, RackSpec, SimConfig, Slowdown
-from rackmend.sim.engine import LearnerReport, Simulation, SimulationError, SimReport, simulate
+from rackmend.sim.config import Failures, Kill, RackSpec, SimConfig, Slowdown
+from rackmend.sim.engine import Goodput, LearnerReport, Simulation, SimulationError, SimReport, simulate
 
-__all__ = ["Kill", "RackSpec", "SimConfig", "Slowdown", "LearnerReport", "Simulation", "SimulationError",
+__all__ = ["Failures", "Kill", "RackSpec", "SimConfig", "Slowdown", "Goodput", "LearnerReport", "Simulation", "SimulationError",
            "SimReport", "simulate"]

@@ -10,15 +10,21 @@ parsing and printing live here; the simulator is ``rackmend.sim``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
+from typing import Any
 
-from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
-from rackmend.sim.config import Kill, RackSpec, SimConfig, Slowdown
-from rackmend.sim.engine import SimReport, SimulationError, simulate
+from rackmend.config import (CompressionConfig, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig,
+                             SyncerConfig)
+# One machinery turns config fields into options, for ``rackmend syncer`` and here.
+from rackmend.service.cli import Option, _options
+from rackmend.sim.config import Failures, Kill, RackSpec, SimConfig, Slowdown
+from rackmend.sim.engine import Goodput, SimReport, SimulationError, simulate
+from rackmend.sim.goodput import simulate_data_parallel
 
-__all__ = ["add_arguments", "main", "config_from_args", "format_report"]
+__all__ = ["OPTIONS", "SECTIONS", "add_arguments", "main", "config_from_args", "format_report", "format_goodput"]
 
 
 def _floats(text: str) -> list[float]:
@@ -57,6 +63,28 @@ def _slow(text: str) -> Slowdown:
         raise argparse.ArgumentTypeError(f"--slow {text}: {exc}")
 
 
+SECTIONS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
+    (ScheduleConfig, ("sync_every", "num_fragments", "overlap")),
+    (SyncerConfig, tuple(f.name for f in dataclasses.fields(SyncerConfig) if f.name != "learners")),
+    (LearnerConfig, ("apply", "mix_alpha", "wait_timeout")),
+    (RunConfig, ("deterministic",)),
+    (CompressionConfig, ("uplink", "downlink")),
+    (SimConfig, ("duration", "seed", "silence_timeout", "fragment_size", "lr", "target_spread")),
+    (Failures, None),
+)
+"""The dataclasses whose fields are ``rackmend simulate`` options (None: every field). Name,
+default, choices and help come from the field, as for ``rackmend syncer``; the learners'
+own settings (DES-LOC, packing, TensorBoard) have no meaning in the toy model."""
+
+OPTIONS: tuple[Option, ...] = tuple(o for owner, only in SECTIONS for o in _options(owner, only))
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "sync_every": ("-H",), "num_fragments": ("-P", "--fragments"), "overlap": ("--tau",),
+    "min_quorum": ("--quorum",),
+}
+"""Short names kept from the first ``rackmend simulate`` (the paper's H, P, tau, K)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4, help="number of learners (racks), named L0.. (default 4)")
     p.add_argument("--step-time", type=_floats, default=[1.0], metavar="S[,S...]",
@@ -66,23 +94,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one-way link latency in seconds, each way: one value or one per learner (default 0)")
     p.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                    help="link bandwidth each way in bytes/s (default unlimited)")
-    p.add_argument("-H", "--sync-every", type=int, default=24, help="H: inner steps between syncs of a fragment")
-    p.add_argument("-P", "--fragments", type=int, default=4, help="P: number of fragments (default 4)")
-    p.add_argument("--tau", type=int, default=2, help="tau: overlap steps before a merged value applies (default 2)")
-    p.add_argument("--quorum", type=int, default=1, help="min_quorum: fresh contributions a merge needs (default 1)")
-    p.add_argument("--grace-max", type=float, default=2.0, help="longest grace window in seconds (default 2)")
-    p.add_argument("--apply", default="auto", choices=("auto", "overwrite", "mix", "keep_local"),
-                   help="how learners apply merged values (default auto)")
-    p.add_argument("--deterministic", action="store_true", help="deterministic mode: rounds wait for every learner")
     p.add_argument("--kill", type=_kill, action="append", default=[], metavar="I:AT[:REJOIN]",
-                   help="learner I dies at AT seconds (and rejoins at REJOIN); repeatable")
+                   help="learner I dies at AT seconds (and rejoins at REJOIN); repeatable, also for one learner")
     p.add_argument("--slow", type=_slow, action="append", default=[], metavar="I:FACTOR[:START[:END]]",
                    help="learner I steps FACTOR times slower from START to END; repeatable")
-    p.add_argument("--silence-timeout", type=float, default=10.0,
-                   help="seconds until the syncer declares a dead learner gone; <= 0: never (default 10)")
-    p.add_argument("--duration", type=float, default=600.0, help="virtual seconds to simulate (default 600)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the jitter (default 0)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="simulate the data-parallel baseline instead: one job over --chips chips, the same failures "
+                        "(--failure-mode restart: not elastic); prints its goodput")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    for o in OPTIONS:
+        text = o.help.replace("%", "%%") + f" (default {o.default})"
+        if o.name == "silence_timeout":
+            text += "; <= 0: never"
+        flags = (*ALIASES.get(o.field, ()), o.flag)
+        if o.kind == "bool":
+            p.add_argument(*flags, dest=o.name, default=o.default, help=text,
+                           action=argparse.BooleanOptionalAction if o.default else "store_true")
+        else:
+            p.add_argument(*flags, dest=o.name, default=o.default, help=text, choices=o.choices,
+                           type=str if o.choices else o.parse, metavar=None if o.choices else o.name.upper())
+
+
+def _section(args: argparse.Namespace, owner: type) -> dict[str, Any]:
+    """The fields of ``owner`` set from its options."""
+    return {o.field: o.to_field(getattr(args, o.name)) for o in OPTIONS if o.owner is owner}
 
 
 def _per_learner(values: list[float], n: int, flag: str) -> list[float]:
@@ -103,13 +138,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     racks = tuple(RackSpec(step_time=s, jitter=args.jitter, uplink_latency=lat, downlink_latency=lat,
                            uplink_bandwidth=args.bandwidth, downlink_bandwidth=args.bandwidth)
                   for s, lat in zip(steps, latency))
-    run = RackmendConfig(
-        schedule=ScheduleConfig(sync_every=args.sync_every, num_fragments=args.fragments, overlap=args.tau),
-        syncer=SyncerConfig(min_quorum=args.quorum, grace_max=args.grace_max),
-        learner=LearnerConfig(apply=args.apply), deterministic=args.deterministic)
-    return SimConfig(run=run, racks=racks, duration=args.duration, seed=args.seed, kills=tuple(args.kill),
-                     slowdowns=tuple(args.slow),
-                     silence_timeout=args.silence_timeout if args.silence_timeout > 0 else None)
+    run = RackmendConfig(schedule=ScheduleConfig(**_section(args, ScheduleConfig)),
+                         syncer=SyncerConfig(**_section(args, SyncerConfig)),
+                         learner=LearnerConfig(**_section(args, LearnerConfig)),
+                         compression=CompressionConfig(**_section(args, CompressionConfig)),
+                         **_section(args, RunConfig))
+    sim = _section(args, SimConfig)
+    timeout = sim.pop("silence_timeout")
+    return SimConfig(run=run, racks=racks, kills=tuple(args.kill), slowdowns=tuple(args.slow),
+                     silence_timeout=timeout if timeout is not None and timeout > 0 else None,
+                     failures=Failures(**_section(args, Failures)), **sim)
 
 
 def format_report(r: SimReport) -> str:
@@ -127,15 +165,30 @@ def format_report(r: SimReport) -> str:
         f"global loss {r.global_loss:.4f} (start {r.initial_loss:.4f}, optimum {r.optimum_loss:.4f}, "
         f"gap {r.global_loss - r.optimum_loss:.4g})",
     ]
+    if r.goodput is not None:
+        lines.append(format_goodput(r.goodput))
     if r.warnings:
         lines.append(f"{len(r.warnings)} warning(s), first: {r.warnings[0]}")
     return "\n".join(lines)
 
 
+def format_goodput(g: Goodput) -> str:
+    """One line: goodput, where the rest of the chip-time went, uptime, failures."""
+    parts = ", ".join(f"{k} {100 * v:.2f}" for k, v in g.shares().items() if k != "useful")
+    return (f"goodput {100 * g.goodput:.2f} % of allocated chip-time ({parts} %); uptime {100 * g.uptime:.2f} %; "
+            f"{g.failures} chip failures")
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        report = simulate(config_from_args(args))
-    except (ConfigError, SimulationError) as exc:
+        config = config_from_args(args)
+        if args.data_parallel:
+            g = simulate_data_parallel(config.failures, duration=config.duration, seed=config.seed,
+                                       step_time=config.racks[0].step_time)
+            print(json.dumps(g.to_dict(), indent=2) if args.json else format_goodput(g))
+            return 0
+        report = simulate(config)
+    except (ConfigError, SimulationError, ValueError) as exc:
         print(f"rackmend simulate: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))

@@ -10,11 +10,18 @@ them is ``rackmend.sim.engine``.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-from rackmend.config import ConfigError, RackmendConfig
+from rackmend.config import ConfigError, RackmendConfig, check_choice
 
-__all__ = ["RackSpec", "Kill", "Slowdown", "SimConfig"]
+__all__ = ["RackSpec", "Kill", "Slowdown", "Failures", "FailureMode", "FAILURE_MODES", "SimConfig", "HOUR", "YEAR"]
+
+FailureMode = Literal["restart", "elastic"]
+FAILURE_MODES: tuple[str, ...] = typing.get_args(FailureMode)
+HOUR = 3600.0
+YEAR = 365.0 * 24.0 * HOUR
 
 
 def _check(cond: bool, message: str) -> None:
@@ -98,6 +105,65 @@ class Slowdown:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Failures:
+    """Chip failures as a Poisson process, and what a learner (or a data-parallel job) does
+    about one. Every number here is an assumption of the goodput model; docs/simulate.md
+    ("Goodput") says where each default comes from and how much the results depend on it."""
+
+    chips: int = 0
+    """N: chips of the whole run, split as evenly as possible over the learners (the first
+    N mod M learners get one more). 0: no chip failures, and goodput counts each learner as
+    one chip."""
+    mtbi_hours: float = YEAR / HOUR
+    """Mean time between interruptions of one chip, in hours (default 8760: one year). A
+    learner fails at rate (its active chips) / MTBI, a Poisson process re-drawn whenever
+    its active chips change."""
+    failure_mode: FailureMode = "elastic"
+    """What a learner does when one of its chips fails: ``restart`` (torchrun relaunch:
+    the process dies, work not yet sent is lost, it is down for ``restart_time`` and then
+    joins again with the syncer's current value and all its chips) or ``elastic`` (it
+    pauses ``downscale_time``, trains on without the failed chips, tokens per step
+    following its active chips, and pauses ``upscale_time`` to take them back once
+    repaired after ``repair_time``)."""
+    restart_time: float = 76.0
+    """Seconds a restarted learner (or, non-elastic, the whole data-parallel job) is down
+    after a failure, before it trains again (relaunch, initialisation, checkpoint or value
+    load). Calibrated on the paper's non-elastic data-parallel row (docs/simulate.md)."""
+    downscale_time: float = 2.0
+    """Seconds an elastic learner (or data-parallel job) stands still after a failure
+    while it reshapes onto the remaining chips; a failure or repair during a reshape
+    extends it to ``downscale_time`` (``upscale_time``) after that one. Calibrated with
+    ``upscale_time`` on the paper's elastic data-parallel row (docs/simulate.md); mostly
+    their sum is identifiable there."""
+    upscale_time: float = 12.0
+    """Seconds an elastic learner (or job) stands still to take repaired chips back."""
+    repair_time: float = 3600.0
+    """Seconds from a chip's failure until it is back for an elastic learner to regrow
+    onto (a restarted learner comes back whole: the relaunch takes spare chips)."""
+    chips_per_failure: int = 1
+    """Chips one failure takes out of an elastic learner (a host or a slice: its data-
+    parallel replica stops with it)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.chips > 0
+
+    @property
+    def mtbi_s(self) -> float:
+        return self.mtbi_hours * HOUR
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.chips, int) and not isinstance(self.chips, bool) and self.chips >= 0,
+               f"chips must be a whole number >= 0 (0: no failures), got {self.chips!r}")
+        _finite_at_least("mtbi_hours", self.mtbi_hours, 0.0, strict=True)
+        check_choice("failure_mode", self.failure_mode, FAILURE_MODES)
+        for name in ("restart_time", "downscale_time", "upscale_time", "repair_time"):
+            _finite_at_least(name, getattr(self, name), 0.0)
+        _check(isinstance(self.chips_per_failure, int) and self.chips_per_failure >= 1,
+               f"chips_per_failure must be a whole number >= 1, got {self.chips_per_failure!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SimConfig:
     """A whole simulated run: the rules, the racks, the faults, the model, how long."""
 
@@ -106,12 +172,13 @@ class SimConfig:
     quorum, grace, outer optimizer, apply rule, codecs, deterministic mode)."""
     racks: tuple[RackSpec, ...] = (RackSpec(), RackSpec())
     """One entry per learner, learner i is named ``L{i}``."""
-    duration: float = 100.0
+    duration: float = 600.0
     """Virtual seconds simulated; events after it are not run."""
     seed: int = 0
     """Seeds the model's targets and the step-time jitter: one seed, one run."""
     kills: tuple[Kill, ...] = ()
-    """Learners that die (and maybe rejoin)."""
+    """Learners that die (and maybe rejoin); a learner may die any number of times, each
+    death after its previous rejoin."""
     slowdowns: tuple[Slowdown, ...] = ()
     """Learners that slow down for a while."""
     silence_timeout: float | None = 10.0
@@ -127,6 +194,8 @@ class SimConfig:
     target_spread: float = 1.0
     """Standard deviation of each learner's optimum around the common one (0: one
     optimum for all: no data heterogeneity)."""
+    failures: Failures = field(default_factory=Failures)
+    """Random chip failures and how learners recover (off by default: ``chips=0``)."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.run, RackmendConfig), f"run must be a RackmendConfig, got {type(self.run).__name__}")
@@ -139,8 +208,19 @@ class SimConfig:
             for f in faults:
                 _check(isinstance(f.learner, int) and 0 <= f.learner < n,
                        f"{what}: learner {f.learner!r} is not one of the {n} racks (0..{n - 1})")
-        killed = [k.learner for k in self.kills]
-        _check(len(killed) == len(set(killed)), f"kills: learner {killed} listed twice; one Kill per learner")
+        for i in range(n):
+            mine = sorted((k for k in self.kills if k.learner == i), key=lambda k: k.at)
+            for a, b in zip(mine, mine[1:]):
+                _check(a.rejoin_at is not None and b.at >= a.rejoin_at,
+                       f"kills: learner {i} dies at {b.at:g} while still dead from its death at {a.at:g} "
+                       f"(rejoin_at {a.rejoin_at}); give each Kill but the last a rejoin_at before the next Kill.at")
+        _check(isinstance(self.failures, Failures), "failures must be a Failures")
+        if self.failures.enabled:
+            _check(self.failures.chips >= n, f"failures.chips={self.failures.chips} is fewer than the {n} learners; "
+                                             "give every learner at least one chip")
+            _check(not self.run.deterministic,
+                   "random failures in deterministic mode would stall every learner at each failure (rounds wait "
+                   "for the whole roster); set run.deterministic=False or failures.chips=0")
         if self.silence_timeout is not None:
             _finite_at_least("silence_timeout", self.silence_timeout, 0.0, strict=True)
         _check(isinstance(self.fragment_size, int) and self.fragment_size >= 1,
@@ -161,3 +241,10 @@ class SimConfig:
     @property
     def learner_ids(self) -> tuple[str, ...]:
         return tuple(f"L{i}" for i in range(len(self.racks)))
+
+    def chips(self) -> tuple[int, ...]:
+        """Chips per learner: ``failures.chips`` split evenly (1 each without failures)."""
+        n, total = len(self.racks), self.failures.chips
+        if not total:
+            return (1,) * n
+        return tuple(total // n + (i < total % n) for i in range(n))

@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -60,7 +61,7 @@ from rackmend.core.syncer import (
 )
 from rackmend.sim.config import SimConfig
 
-__all__ = ["SimulationError", "LearnerReport", "SimReport", "Simulation", "simulate"]
+__all__ = ["SimulationError", "Goodput", "LearnerReport", "SimReport", "Simulation", "simulate"]
 
 
 class SimulationError(RuntimeError):
@@ -91,6 +92,49 @@ class LearnerReport:
     """The global objective (mean of all learners' quadratics) at its final local value."""
     own_loss: float
     """Its own quadratic at its final local value."""
+    chips: int = 1
+    """Chips allocated to it (``SimConfig.chips``)."""
+    failures: int = 0
+    """Chip failures it had (``SimConfig.failures``)."""
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Where the allocated chip-time went, in chip-seconds; the shares add up to 1.
+
+    ``useful``: steps whose work reached the global model (merged, or sent and not yet
+    merged when the run ended); ``lost``: steps computed and then thrown away (the step
+    a failure interrupted, work not yet sent when a learner died, contributions the
+    syncer refused or dropped); ``down``: learners restarting (every chip of a
+    non-elastic data-parallel job); ``paused``: elastic reshapes (downscale, upscale);
+    ``failed``: chips waiting for repair; ``blocked``: learners waiting (for the join
+    answer, or a merged value in deterministic mode)."""
+
+    allocated: float
+    useful: float
+    lost: float
+    down: float
+    paused: float
+    failed: float
+    blocked: float
+    uptime: float
+    """Share of the run during which the global model could advance: some learner (the
+    data-parallel job) was training."""
+    failures: int
+    """Chip failures over the run."""
+
+    @property
+    def goodput(self) -> float:
+        """Useful chip-time / allocated chip-time."""
+        return self.useful / self.allocated if self.allocated else 0.0
+
+    def shares(self) -> dict[str, float]:
+        """Each part as a share of the allocated chip-time."""
+        a = self.allocated or 1.0
+        return {k: getattr(self, k) / a for k in ("useful", "lost", "down", "paused", "failed", "blocked")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "goodput": self.goodput, "shares": self.shares()}
 
 
 @dataclass(frozen=True)
@@ -118,13 +162,22 @@ class SimReport:
     """The global objective at the start value."""
     warnings: tuple[str, ...]
     """The syncer's warning records (``WARNING_EVENTS``) and learner warnings, in order."""
+    goodput: Goodput | None = None
+    """Where the chip-time went (``Goodput``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.goodput is not None:
+            out["goodput"] = self.goodput.to_dict()
+        return out
 
 
 # Event kinds. Events at one instant run in the order they were pushed, whatever their kind.
-_STEP, _ARRIVE, _DELIVER, _JOIN, _SILENT, _TICK, _KILL, _REJOIN, _WAIT_TIMEOUT = range(9)
+(_STEP, _ARRIVE, _DELIVER, _JOIN, _SILENT, _TICK, _KILL, _REJOIN, _WAIT_TIMEOUT, _FAIL, _RESUME,
+ _REPAIR) = range(12)
+
+# What a learner's chips are doing, for the goodput accounting.
+_TRAIN, _PAUSED, _DOWN, _BLOCKED = "train", "paused", "down", "blocked"
 
 
 @dataclass
@@ -133,12 +186,37 @@ class _Learner:
     lid: str
     target: list[torch.Tensor]
     """Per fragment, this learner's optimum."""
+    chips: int = 1
+    """Chips allocated to it (``SimConfig.chips``)."""
+    active: int = 1
+    """Chips it trains on now (fewer than ``chips`` while failed ones wait for repair)."""
     core: LearnerCore | None = None
     local: list[list[torch.Tensor]] = field(default_factory=list)
-    """Per fragment, the local value of its tensors (one)."""
+    """Per fragment, the local value of its tensors (one), exact as of ``at[p]`` steps into this life."""
+    trained: int = 0
+    """Inner steps trained in this life."""
+    at: list[int] = field(default_factory=list)
+    """Per fragment, the value of ``trained`` its ``local`` value is exact for (the toy model
+    is computed in closed form when something reads or changes a value)."""
+    target64: list[torch.Tensor] = field(default_factory=list)
     alive: bool = False
     life: int = 0
     """Incarnation: events of an earlier life are dropped."""
+    gen: int = 0
+    """Bumped whenever the scheduled wake-up (a step end, a resume) is no longer valid."""
+    wake_at: float | None = None
+    ends: deque = field(default_factory=deque)
+    """End times of the step in progress and of the steps drawn after it."""
+    step_start: float = 0.0
+    """When the step in progress (``ends[0]``) started."""
+    state: str = _BLOCKED
+    since: float = 0.0
+    """When ``state`` or ``active`` last changed (accounting)."""
+    paused_until: float = 0.0
+    pause_debt: float = 0.0
+    """Seconds of pause owed by failures that hit while it was blocked (joining, waiting)."""
+    fgen: int = 0
+    """Bumped when the next failure drawn is no longer valid (active chips changed, death)."""
     joining: dict[int, Update] | None = None
     inbox: list[Update] = field(default_factory=list)
     waiting: WaitForVersion | None = None
@@ -146,6 +224,11 @@ class _Learner:
     up_free: float = 0.0
     down_free: float = 0.0
     died_at: float | None = None
+    kill_token: int = 0
+    done_cs: float = 0.0
+    """Chip-seconds of the steps finished in this life."""
+    sent_cs: list[float] = field(default_factory=list)
+    """Per fragment, ``done_cs`` at its last send in this life."""
     steps: int = 0
     idle: float = 0.0
     down: float = 0.0
@@ -153,6 +236,11 @@ class _Learner:
     merged: int = 0
     stale: int = 0
     rejected: int = 0
+    failures: int = 0
+    acct: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BUCKETS, 0.0))
+
+
+_BUCKETS = ("computing", "lost", "down", "paused", "failed", "blocked")
 
 
 class Simulation:
@@ -171,10 +259,13 @@ class Simulation:
         self.curvature = [lo + (hi - lo) * torch.rand(size, generator=gen) for _ in self.specs]
         centre = [torch.randn(size, generator=gen) for _ in self.specs]
         self.start = [torch.zeros(size) for _ in self.specs]
+        chips = config.chips()
         self.learners = [
-            _Learner(i, lid, [c + config.target_spread * torch.randn(size, generator=gen) for c in centre])
+            _Learner(i, lid, [c + config.target_spread * torch.randn(size, generator=gen) for c in centre],
+                     chips=chips[i], active=chips[i])
             for i, lid in enumerate(config.learner_ids)]
         self.rngs = [random.Random(config.seed * 1_000_003 + i) for i in range(n)]
+        self.fail_rngs = [random.Random(f"failures/{config.seed}/{i}") for i in range(n)]
         self.syncer = SyncerCore(run, self.specs, [[t.clone()] for t in self.start])
         self.now = 0.0
         self._ran = False
@@ -186,9 +277,30 @@ class Simulation:
         self._bases: dict[tuple[str, int], int] = {}
         """(learner, fragment) -> oldest base version among its contributions pending since
         the fragment's last merge (what its merged work was based on)."""
+        self._pending_cs: dict[tuple[str, int], float] = {}
+        """(learner, fragment) -> chip-seconds of work in its contributions to the fragment
+        that arrived since they last went into a merge (lost if dropped)."""
+        self._by_id = {lr.lid: lr for lr in self.learners}
+        self._arriving: tuple[str, int] | None = None
+        self._refused = False
         self.warnings: list[str] = []
         self.syncer_records: list[dict] = []
         """Every record the syncer core logged, in order."""
+        # The toy model in closed form: k gradient steps on 0.5*h*(x-c)^2 take x to
+        # c + (1 - lr*h)^k (x - c), so a learner's value is computed only when something
+        # reads or changes it (a send, an apply), not at each of its steps.
+        self._decay = [(1.0 - config.lr * h.double()) for h in self.curvature]
+        self._powers: dict[int, list[torch.Tensor]] = {}
+        # When each fragment is due: step s sends the fragments whose offset is s mod H, so
+        # the steps to the next send depend only on s mod H (looked up, not searched).
+        H = sch.sync_every
+        due = {(o % H) for o in offsets}
+        self._due_gap = [min((r0 - r) % H for r0 in due) for r in range(H)]
+        self._slowdowns = [tuple(s for s in config.slowdowns if s.learner == i) for i in range(n)]
+        self._training = 0
+        """Learners training now; the time with at least one is the system's uptime."""
+        self._up_since: float | None = None
+        self._uptime = 0.0
 
     # ---------------------------------------------------------------- public
     def run(self) -> SimReport:
@@ -198,20 +310,25 @@ class Simulation:
         cfg = self.config
         for lr in self.learners:
             self._start(lr, 0.0)
-        for k in cfg.kills:
-            self._push(k.at, _KILL, (k.learner,))
-            if k.rejoin_at is not None:
-                self._push(k.rejoin_at, _REJOIN, (k.learner,))
+        for k in sorted(cfg.kills, key=lambda k: k.at):
+            self._push(k.at, _KILL, (k.learner, k.rejoin_at))
         handlers: dict[int, Callable[..., None]] = {
             _STEP: self._on_step, _ARRIVE: self._on_arrive, _DELIVER: self._on_deliver, _JOIN: self._on_join,
             _SILENT: self._on_silent, _TICK: self._on_tick, _KILL: self._on_kill, _REJOIN: self._on_rejoin,
-            _WAIT_TIMEOUT: self._on_wait_timeout,
+            _WAIT_TIMEOUT: self._on_wait_timeout, _FAIL: self._on_fail, _RESUME: self._on_resume,
+            _REPAIR: self._on_repair,
         }
-        while self._heap and self._heap[0][0] <= cfg.duration:
-            t, _, kind, args = heapq.heappop(self._heap)
+        heap, pop, end = self._heap, heapq.heappop, cfg.duration
+        while heap and heap[0][0] <= end:
+            t, _, kind, args = pop(heap)
             self.now = t
             handlers[kind](*args)
-        self.now = cfg.duration
+        self.now = end
+        for lr in self.learners:
+            if lr.state == _TRAIN:
+                self._catch_up(lr, end)
+            self._set_state(lr, lr.state)
+        self._count_training(0)
         return self._report()
 
     # ---------------------------------------------------------------- the model
@@ -223,10 +340,44 @@ class Simulation:
                              for v, c, h in zip(values, target, self.curvature))
         return statistics.fmean(self.loss(values, lr.target) for lr in self.learners)
 
-    def _train(self, lr: _Learner) -> None:
-        with torch.no_grad():
-            for (x,), c, h in zip(lr.local, lr.target, self.curvature):
-                x.sub_(self.config.lr * h * (x - c))
+    def _materialize(self, lr: _Learner, p: int) -> None:
+        """Bring fragment ``p`` of ``lr.local`` up to date with the steps trained since it
+        was last (closed form; a NaN value of a failed join stays NaN)."""
+        k = lr.trained - lr.at[p]
+        if not k:
+            return
+        lr.at[p] = lr.trained
+        powers = self._powers.get(k)
+        if powers is None:
+            powers = [d.pow(k) for d in self._decay]
+            if len(self._powers) < 4096:  # k is mostly a few values near H; bounded anyway
+                self._powers[k] = powers
+        c = lr.target64[p]
+        x = lr.local[p][0]
+        x.copy_(c + powers[p] * (x.double() - c))
+
+    # ---------------------------------------------------------------- accounting
+    def _set_state(self, lr: _Learner, state: str) -> None:
+        """Close the accounting interval since ``lr.since`` (at the old state and chips)
+        and enter ``state``."""
+        dt = self.now - lr.since
+        if dt > 0:
+            a, acct = lr.active, lr.acct
+            if lr.state == _DOWN:
+                acct["down"] += dt * lr.chips
+            else:
+                acct["failed"] += dt * (lr.chips - a)
+                acct["computing" if lr.state == _TRAIN else "paused" if lr.state == _PAUSED else "blocked"] += dt * a
+        lr.since = self.now
+        if (state == _TRAIN) != (lr.state == _TRAIN):
+            self._count_training(1 if state == _TRAIN else -1)
+        lr.state = state
+
+    def _count_training(self, change: int) -> None:
+        if self._up_since is not None:
+            self._uptime += self.now - self._up_since
+        self._training += change
+        self._up_since = self.now if self._training > 0 else None
 
     # ---------------------------------------------------------------- events
     def _push(self, t: float, kind: int, args: tuple) -> None:
@@ -235,45 +386,119 @@ class Simulation:
     def _start(self, lr: _Learner, now: float) -> None:
         """A (new) process of learner ``lr`` starts and joins."""
         lr.life += 1
+        lr.gen += 1
         lr.alive = True
         lr.core = LearnerCore(self.config.run, self.specs, learner_id=lr.lid)
         # A fresh process's own init, overwritten by the join answer (SetValue); NaN so
         # that a value the join failed to set shows as a rejected contribution.
         lr.local = [[torch.full_like(t, math.nan)] for t in self.start]
+        lr.trained, lr.at = 0, [0] * len(self.specs)
+        lr.target64 = [c.double() for c in lr.target]
         lr.joining, lr.inbox, lr.waiting = {}, [], None
+        lr.ends.clear()
+        lr.wake_at = None
+        lr.active = lr.chips
+        lr.pause_debt = 0.0
+        lr.done_cs, lr.sent_cs = 0.0, [0.0] * len(self.specs)
+        self._set_state(lr, _BLOCKED)
         lr.blocked_since = now
         lr.up_free = lr.down_free = now
         self._push(now + self.config.racks[lr.index].uplink_latency, _JOIN, (lr.lid,))
+        self._draw_failure(lr)
 
-    def _step_time(self, lr: _Learner, now: float) -> float:
+    def _step_time(self, lr: _Learner, start: float) -> float:
         spec = self.config.racks[lr.index]
         factor = 1.0
-        for s in self.config.slowdowns:
-            if s.learner == lr.index and s.start <= now < s.end:
+        for s in self._slowdowns[lr.index]:
+            if s.start <= start < s.end:
                 factor *= s.factor
         u = self.rngs[lr.index].uniform(-1.0, 1.0) if spec.jitter else 0.0
         return spec.step_time * factor * (1.0 + spec.jitter * u)
 
+    def _tokens(self, lr: _Learner) -> float:
+        """Tokens of one step: the rack's, scaled by the share of its chips training."""
+        tokens = self.config.racks[lr.index].tokens
+        return tokens if lr.active == lr.chips else tokens * lr.active / lr.chips
+
     def _resume(self, lr: _Learner) -> None:
+        """Hand control back to the training loop (after a join or a wait)."""
         assert lr.core is not None
         lr.idle += self.now - lr.blocked_since
-        lr.core.handle(TrainingResumed(), self.now)
-        self._push(self.now + self._step_time(lr, self.now), _STEP, (lr.index, lr.life))
-
-    def _on_step(self, i: int, life: int) -> None:
-        lr = self.learners[i]
-        if not lr.alive or lr.life != life:
+        if lr.pause_debt > 0:
+            debt, lr.pause_debt = lr.pause_debt, 0.0
+            self._set_state(lr, _PAUSED)
+            lr.paused_until = self.now
+            self._extend_pause(lr, debt)
             return
+        self._set_state(lr, _TRAIN)
+        lr.core.handle(TrainingResumed(), self.now)
+        lr.step_start = self.now
+        lr.ends.clear()
+        self._plan(lr)
+
+    def _plan(self, lr: _Learner) -> None:
+        """Schedule the learner's next wake-up: the end of its next step that matters (a
+        fragment is due, something arrived, a value waits to be applied). The steps before
+        it only count; they run when it wakes (``_catch_up``)."""
         assert lr.core is not None
-        self._train(lr)
+        if lr.inbox or self.config.run.deterministic or any(f.arrived is not None for f in lr.core.fragments):
+            j = 0
+        else:
+            j = self._due_gap[(lr.core.step + 1) % self.config.run.schedule.sync_every]
+        ends = lr.ends
+        while len(ends) <= j:
+            start = ends[-1] if ends else lr.step_start
+            ends.append(start + self._step_time(lr, start))
+        t = ends[j]
+        if lr.wake_at != t:
+            lr.gen += 1
+            lr.wake_at = t
+            self._push(t, _STEP, (lr.index, lr.life, lr.gen))
+
+    def _catch_up(self, lr: _Learner, until: float) -> None:
+        """Run the steps that end before ``until``: steps with nothing due and nothing
+        arrived, where the core only counts (its actions are none, checked)."""
+        core = lr.core
+        assert core is not None
+        ends, handle = lr.ends, core.handle
+        tokens = self._tokens(lr)
+        while ends and ends[0] < until:
+            t = ends.popleft()
+            lr.done_cs += (t - lr.step_start) * lr.active
+            lr.steps += 1
+            lr.trained += 1
+            if handle(InnerStepDone(tokens), t):
+                raise SimulationError(f"learner {lr.lid}: step {core.step} at t={t:g} was taken for one with nothing "
+                                      "to do, but the core acted on it (a simulator bug)")
+            handle(TrainingResumed(), t)
+            lr.step_start = t
+
+    def _on_step(self, i: int, life: int, gen: int) -> None:
+        lr = self.learners[i]
+        if not lr.alive or lr.life != life or lr.gen != gen or lr.state != _TRAIN:
+            return
+        core = lr.core
+        assert core is not None
+        lr.wake_at = None
+        self._catch_up(lr, self.now)
+        t = lr.ends.popleft()
+        assert t == self.now, (t, self.now)
+        lr.done_cs += (t - lr.step_start) * lr.active
         lr.steps += 1
+        lr.trained += 1
         arrived, lr.inbox = tuple(lr.inbox), []
         lr.blocked_since = self.now
-        self._carry(lr, lr.core.handle(InnerStepDone(self.config.racks[i].tokens, arrived), self.now))
-        self._carry(lr, lr.core.handle(ApplyDue(), self.now))
+        self._carry(lr, core.handle(InnerStepDone(self._tokens(lr), arrived), self.now))
+        # ApplyDue acts only on a value held (or, deterministic, on a wait); without one it
+        # returns nothing, so it is skipped (the same decisions, less work).
+        if self.config.run.deterministic or any(f.arrived is not None for f in core.fragments):
+            self._carry(lr, core.handle(ApplyDue(), self.now))
+        lr.step_start = self.now
         if lr.waiting is None:
-            self._resume(lr)
+            core.handle(TrainingResumed(), self.now)
+            self._plan(lr)
         else:
+            self._set_state(lr, _BLOCKED)
             self._answer_wait(lr)  # what it waits for may have come in with this step's arrivals
 
     def _on_deliver(self, i: int, life: int, upd: Update) -> None:
@@ -295,6 +520,10 @@ class Simulation:
         lr.inbox.append(upd)
         if lr.waiting is not None:
             self._answer_wait(lr)
+        elif lr.state == _TRAIN and len(lr.inbox) == 1:
+            # The step in progress absorbs it: run the steps before, wake at its end.
+            self._catch_up(lr, self.now)
+            self._plan(lr)
 
     def _answer_wait(self, lr: _Learner) -> None:
         """A blocked learner: answer its wait from what arrived, as ``Link.wait`` does
@@ -325,16 +554,20 @@ class Simulation:
         assert lr.core is not None
         for a in actions:
             if isinstance(a, TakeSnapshot):
+                self._materialize(lr, a.fragment)
                 snap = [t.clone() for t in lr.local[a.fragment]]
                 self._carry(lr, lr.core.handle(SnapshotTaken(a.fragment, snap), self.now))
             elif isinstance(a, (SetValue, Rebase, ApplyValue)):
+                self._materialize(lr, a.fragment)
                 a.apply_to(lr.local[a.fragment])
             elif isinstance(a, SendFragment):
                 lr.sent += 1
+                p = a.draft.fragment
+                work, lr.sent_cs[p] = lr.done_cs - lr.sent_cs[p], lr.done_cs
                 spec = self.config.racks[lr.index]
                 contribution, nbytes = a.build()
                 lr.up_free = self._transfer(lr.up_free, nbytes, spec.uplink_bandwidth)
-                self._push(lr.up_free + spec.uplink_latency, _ARRIVE, (contribution,))
+                self._push(lr.up_free + spec.uplink_latency, _ARRIVE, (contribution, work / len(self.specs)))
             elif isinstance(a, WaitForVersion):
                 lr.waiting = a
                 self._push(a.deadline, _WAIT_TIMEOUT, (lr.index, lr.life, a))
@@ -349,6 +582,80 @@ class Simulation:
         """When a transfer of ``nbytes`` started now on a FIFO link busy until ``free`` ends."""
         start = max(self.now, free)
         return start if bandwidth is None else start + nbytes / bandwidth
+
+    # ---------------------------------------------------------------- failures
+    def _draw_failure(self, lr: _Learner) -> None:
+        """The learner's next chip failure, at rate (active chips) / MTBI (memoryless, so
+        re-drawing whenever the rate changes is exact)."""
+        f = self.config.failures
+        lr.fgen += 1
+        if not f.enabled or not lr.alive or lr.active <= 0:
+            return
+        at = self.now + self.fail_rngs[lr.index].expovariate(lr.active / f.mtbi_s)
+        if at <= self.config.duration:
+            self._push(at, _FAIL, (lr.index, lr.fgen))
+
+    def _on_fail(self, i: int, fgen: int) -> None:
+        lr = self.learners[i]
+        if lr.fgen != fgen or not lr.alive:
+            return
+        lr.failures += 1
+        f = self.config.failures
+        if f.failure_mode == "restart":
+            self._die(lr)
+            self._push(self.now + f.restart_time, _REJOIN, (i, lr.kill_token))
+            return
+        lost = min(f.chips_per_failure, lr.active)
+        self._set_state(lr, lr.state)  # close the interval at the old chip count
+        lr.active -= lost
+        self._push(self.now + f.repair_time, _REPAIR, (i, lr.life, lost))
+        self._pause(lr, f.downscale_time)
+        self._draw_failure(lr)
+
+    def _on_repair(self, i: int, life: int, chips: int) -> None:
+        lr = self.learners[i]
+        if not lr.alive or lr.life != life:
+            return  # a restart brought the learner back whole already
+        self._set_state(lr, lr.state)
+        lr.active = min(lr.chips, lr.active + chips)
+        self._pause(lr, self.config.failures.upscale_time)
+        self._draw_failure(lr)
+
+    def _pause(self, lr: _Learner, seconds: float) -> None:
+        """An elastic reshape: the step in progress is lost, no step runs for ``seconds``."""
+        if lr.state == _TRAIN:
+            self._catch_up(lr, self.now)
+            lr.acct["lost"] += (self.now - lr.step_start) * (lr.active if lr.active else 0)
+            lr.ends.clear()
+            lr.gen += 1
+            lr.wake_at = None
+            self._set_state(lr, _PAUSED)
+            lr.paused_until = self.now
+            self._extend_pause(lr, seconds)
+        elif lr.state == _PAUSED:
+            self._extend_pause(lr, seconds)
+        else:
+            lr.pause_debt += seconds  # joining or waiting: served when it would train again
+
+    def _extend_pause(self, lr: _Learner, seconds: float) -> None:
+        # A reshape under way takes in a further failure or repair: it ends ``seconds``
+        # after the latest one, not after each in turn.
+        lr.paused_until = max(lr.paused_until, self.now + seconds)
+        lr.gen += 1
+        self._push(lr.paused_until, _RESUME, (lr.index, lr.life, lr.gen))
+
+    def _on_resume(self, i: int, life: int, gen: int) -> None:
+        lr = self.learners[i]
+        if not lr.alive or lr.life != life or lr.gen != gen or lr.state != _PAUSED:
+            return
+        if lr.active <= 0:
+            return  # every chip failed: it waits for a repair (which pauses and resumes it)
+        # No TrainingResumed: the training loop was inside the step all along, so the
+        # pause shows in the step time the core measures (as fail-slow would see it).
+        self._set_state(lr, _TRAIN)
+        lr.step_start = self.now
+        lr.ends.clear()
+        self._plan(lr)
 
     # ---------------------------------------------------------------- syncer side
     def _drive(self, event: Event) -> None:
@@ -370,21 +677,26 @@ class Simulation:
         if not lr.alive and lr.life == life:
             self._drive(LearnerLeft(lr.lid, "silent"))
 
-    def _on_arrive(self, c: Contribution) -> None:
+    def _on_arrive(self, c: Contribution, work: float) -> None:
         key = (c.learner_id, c.fragment)
         prior = self._bases.get(key)
         self._bases[key] = c.base_version if prior is None else min(prior, c.base_version)
-        rejected = self.syncer.rejected
+        self._pending_cs[key] = self._pending_cs.get(key, 0.0) + work
+        self._arriving, self._refused = key, False
         self._drive(ContributionArrived(c))
-        if self.syncer.rejected > rejected:
-            # Refused: its base is no merged work's (a refusal never merges in the same call).
+        self._arriving = None
+        if self._refused:
+            # Refused: its base is no merged work's (a refusal never merges in the same call),
+            # and its work is lost.
             if prior is None:
                 self._bases.pop(key, None)
             else:
                 self._bases[key] = prior
+            self._pending_cs[key] -= work
+            self._by_id[c.learner_id].acct["lost"] += work
 
     def _syncer_actions(self, actions: Sequence[Action]) -> None:
-        by_id = {lr.lid: lr for lr in self.learners}
+        by_id = self._by_id
         for a in actions:
             if isinstance(a, SendUpdate):
                 upd = replace(a.update, reset=True) if a.reset else a.update
@@ -414,26 +726,52 @@ class Simulation:
                 lr.stale += lid in stale
                 base = self._bases.pop((lid, p), rec["round"])
                 self._lags.append(rec["round"] - base)
+                self._pending_cs.pop((lid, p), None)
+        elif event == "merge_dropped":
+            p = rec["fragment"]
+            for lid in rec["dropped"]:
+                by_id[lid].acct["lost"] += self._pending_cs.pop((lid, p), 0.0)
+                self._bases.pop((lid, p), None)
         elif event == "reject" and rec.get("learner") in by_id:
             by_id[rec["learner"]].rejected += 1
+            if (rec["learner"], rec.get("fragment")) == self._arriving:
+                self._refused = True
         if event in WARNING_EVENTS:
             self.warnings.append(f"t={self.now:g} syncer {event}: {rec.get('reason', rec)}")
 
     # ---------------------------------------------------------------- faults
-    def _on_kill(self, i: int) -> None:
+    def _die(self, lr: _Learner) -> None:
+        """The learner's process dies now: the step in progress and the work not yet sent
+        are lost; what is on the wire still arrives."""
+        if lr.state == _TRAIN:
+            self._catch_up(lr, self.now)
+            lr.acct["lost"] += (self.now - lr.step_start) * lr.active
+        lr.acct["lost"] += math.fsum(lr.done_cs - s for s in lr.sent_cs) / len(self.specs)
+        lr.done_cs, lr.sent_cs = 0.0, [0.0] * len(self.specs)
+        if lr.waiting is not None or lr.joining is not None:
+            lr.idle += self.now - lr.blocked_since
+        self._set_state(lr, _DOWN)
+        lr.alive, lr.waiting, lr.joining, lr.inbox = False, None, None, []
+        lr.ends.clear()
+        lr.gen += 1
+        lr.fgen += 1
+        lr.kill_token += 1
+        lr.wake_at = None
+        lr.died_at = self.now
+        if self.config.silence_timeout is not None:
+            self._push(self.now + self.config.silence_timeout, _SILENT, (lr.index, lr.life))
+
+    def _on_kill(self, i: int, rejoin_at: float | None) -> None:
         lr = self.learners[i]
         if not lr.alive:
             return
-        if lr.waiting is not None or lr.joining is not None:
-            lr.idle += self.now - lr.blocked_since
-        lr.alive, lr.waiting, lr.joining, lr.inbox = False, None, None, []
-        lr.died_at = self.now
-        if self.config.silence_timeout is not None:
-            self._push(self.now + self.config.silence_timeout, _SILENT, (i, lr.life))
+        self._die(lr)
+        if rejoin_at is not None:
+            self._push(rejoin_at, _REJOIN, (i, lr.kill_token))
 
-    def _on_rejoin(self, i: int) -> None:
+    def _on_rejoin(self, i: int, token: int) -> None:
         lr = self.learners[i]
-        if lr.alive:
+        if lr.alive or token != lr.kill_token:
             return
         assert lr.died_at is not None
         lr.down += self.now - lr.died_at
@@ -450,11 +788,14 @@ class Simulation:
                 idle += self.now - lr.blocked_since
             if not lr.alive and lr.died_at is not None:
                 down += self.now - lr.died_at
-            values = self.start if lr.joining is not None else [x for (x,) in lr.local]
+            if lr.alive:
+                for p in range(len(self.specs)):
+                    self._materialize(lr, p)
+            values = self.start if (lr.joining is not None or not lr.local) else [x for (x,) in lr.local]
             out.append(LearnerReport(
                 learner=lr.lid, steps=lr.steps, idle_s=idle, down_s=down, sent=lr.sent, merged=lr.merged,
                 merged_stale=lr.stale, rejected=lr.rejected, loss=self.loss(values),
-                own_loss=self.loss(values, lr.target)))
+                own_loss=self.loss(values, lr.target), chips=lr.chips, failures=lr.failures))
         gaps: list[float | None] = []
         for times in self._merge_times:
             points = [0.0] + times
@@ -462,6 +803,12 @@ class Simulation:
         known = [g for g in gaps if g is not None]
         # With one curvature for all learners the mean of quadratics is least at the mean optimum.
         centre = [torch.stack(ts).mean(0) for ts in zip(*(lr.target for lr in self.learners))]
+        buckets = {k: math.fsum(lr.acct[k] for lr in self.learners) for k in _BUCKETS}
+        goodput = Goodput(
+            allocated=math.fsum(lr.chips for lr in self.learners) * cfg.duration,
+            useful=buckets["computing"] - buckets["lost"], lost=buckets["lost"], down=buckets["down"],
+            paused=buckets["paused"], failed=buckets["failed"], blocked=buckets["blocked"],
+            uptime=self._uptime / cfg.duration, failures=sum(lr.failures for lr in self.learners))
         return SimReport(
             duration=cfg.duration, seed=cfg.seed, learners=tuple(out),
             merges=tuple(len(t) for t in self._merge_times),
@@ -470,7 +817,7 @@ class Simulation:
             max_merge_gap=max(known) if known else None, max_merge_gap_per_fragment=tuple(gaps),
             global_loss=self.loss([theta for (theta,) in self.syncer.theta]),
             optimum_loss=self.loss(centre),
-            initial_loss=self.loss(self.start), warnings=tuple(self.warnings))
+            initial_loss=self.loss(self.start), warnings=tuple(self.warnings), goodput=goodput)
 
 
 def simulate(config: SimConfig) -> SimReport:
