@@ -104,3 +104,22 @@ def test_batchnorm_variance_merges_as_pooled_variance() -> None:
     center = sum(wm * m for wm, m in zip(w, pts))
     pooled = sum(wm * (v + (m - center) ** 2) for wm, m, v in zip(w, pts, vs))
     assert torch.allclose(theta_mean - d_mean, center) and torch.allclose(theta_var - d_var, pooled)
+
+
+@pytest.mark.parametrize("method", ["mean", "rda"])
+def test_a_worker_pool_gives_the_same_bits(method: str) -> None:
+    """The syncer's threads (ServiceConfig.threads) split the sums into runs of chunks;
+    every element is still summed in the same order: the same bits, any worker count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rackmend.core.merge import _CHUNK
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [(3 * _CHUNK + 17,), (5, 7), (2 * _CHUNK,), (0,)]
+    deltas = [[torch.randn(s, generator=g) for s in sizes] for _ in range(5)]
+    weights = [1.0, 2.5, 0.3, 7.0, 1.1]
+    alone = merge_deltas(deltas, weights, method, absent=0.4)
+    for workers in (2, 3, 8):
+        with ThreadPoolExecutor(workers) as pool:
+            pooled = merge_deltas(deltas, weights, method, absent=0.4, pool=pool)
+        assert all(torch.equal(a, b) for a, b in zip(alone, pooled)), workers

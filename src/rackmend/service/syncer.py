@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -176,6 +177,12 @@ class ServiceConfig:
     and nothing merged, that no merge happened). 0: none. Every merge is in the
     ``log_path`` file either way."""
 
+    threads: int = 0
+    """Threads the syncer computes with: the merge's sums and the contributions' norms
+    spread over a pool of this many workers, and torch's own operations (the outer step,
+    codec decoding, finiteness checks) use as many. 0: as many as torch uses by default
+    (the machine's physical cores). ``docs/capacity.md`` shows what each thread buys."""
+
     shard: str = "0/1"
     """This syncer's part of the model, ``s/S``: shard ``s`` of ``S`` owns the fragments
     ``p`` with ``p mod S == s`` and knows nothing of the others (no coordination between
@@ -190,6 +197,9 @@ class ServiceConfig:
 
     def validate(self) -> None:
         parse_shard(self.shard)
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 1, or 0 for torch's default (the physical cores); got "
+                              f"{self.threads} (--threads)")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port in 1..65535, or 0 for no metrics endpoint; got "
                               f"{self.metrics_port} (--metrics-port)")
@@ -351,6 +361,11 @@ class SyncerService:
         self.config = config
         self.service = service
         self.shard: Shard = parse_shard(service.shard)
+        if service.threads:
+            torch.set_num_threads(service.threads)
+        self.threads = torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="rackmend-merge") if self.threads > 1 else None
+        """The core's workers (``SyncerCore.pool``); shut down with the service."""
         self._layout: list[FragmentSpec] | None = None
         """The model's whole layout (every fragment, in the model's numbering): what hellos
         are checked against. The core holds this shard's fragments only, renumbered from 0
@@ -649,7 +664,7 @@ class SyncerService:
             self._moments(ident, peer, msg)
             return
         assert msg.type == "contrib" and self.core is not None
-        contribution = wire.parse_contribution(msg, self.core.fragments)
+        contribution = wire.parse_contribution(msg, self.core.fragments, self._pool)
         self._send(ident, wire.ack_frames(self.shard.to_global(contribution.fragment)), droppable=True)  # received, whatever the core decides
         if contribution.pieces is not None:
             whole = self._assemble(ident, peer, contribution)
@@ -1019,7 +1034,7 @@ class SyncerService:
             learner = LearnerConfig(apply=settings.apply)
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
-        self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+        self.core = SyncerCore(config, layout, values, epoch=self.epoch, pool=self._pool)
         self._versions_to_metrics()
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
@@ -1345,6 +1360,8 @@ class SyncerService:
                         queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
             self.metrics.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
             if self._auth is not None:
                 self._auth.stop()
             with self._log_lock:

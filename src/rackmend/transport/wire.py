@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,7 +23,7 @@ from rackmend.codecs.base import CodecError, Encoded
 from rackmend.config import APPLY_RULES, WEIGHTINGS
 from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.core.fragments import FragmentSpec, fingerprint, layout_from_wire, layout_to_wire
+from rackmend.core.fragments import FragmentSpec, TensorSpec, fingerprint, layout_from_wire, layout_to_wire
 from rackmend.core.fragments import dtype_name
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
@@ -490,13 +491,13 @@ def message_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int) -> t
     return pieces
 
 
-def parse_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int
+def parse_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int, pool: Executor | None = None
                  ) -> tuple[tuple[Piece, ...] | None, tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
     """(pieces or None, tensors, encoded) of a message about fragment ``p``: with
     pieces, its tensors are checked against the pieces' shapes, else the whole fragment's."""
     pieces = message_pieces(msg, fragments, p)
     spec = fragments[p] if pieces is None else piece_spec(fragments[p], pieces)
-    tensors, encoded = parse_encoded(msg, spec)
+    tensors, encoded = parse_encoded(msg, spec, pool)
     return pieces, tensors, encoded
 
 
@@ -510,9 +511,11 @@ def parse_tensors(msg: Message, spec: FragmentSpec) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
-def parse_encoded(msg: Message, spec: FragmentSpec) -> tuple[tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
+def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
+                  ) -> tuple[tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
     """Tensors of ``msg`` checked against ``spec``: (values, None) for codec 0, or
-    (decoded float32 values, the encoded tensors) for a compression codec."""
+    (decoded float32 values, the encoded tensors) for a compression codec. ``pool``: the
+    tensors are decoded concurrently on its workers (a receiver's spare cores)."""
     h = msg.header
     codec_id = _field(h, "codec", int)
     meta = _field(h, "tensors", list)
@@ -532,7 +535,7 @@ def parse_encoded(msg: Message, spec: FragmentSpec) -> tuple[tuple[torch.Tensor,
         raise WireError(f"{codec.name}: each tensor entry needs 'frames', an int in [0, 16]")
     if sum(counts) != len(msg.frames):
         raise WireError(f"{codec.name}: tensor entries declare {sum(counts)} frames, message carries {len(msg.frames)}")
-    encoded, decoded, start = [], [], 0
+    encoded, start = [], 0
     for m, s, n in zip(meta, spec.tensors, counts):
         if s.dtype != torch.float32:
             raise WireError(f"{s.name} is {dtype_name(s.dtype)}; codec {codec.name} carries float32 tensors only")
@@ -540,13 +543,19 @@ def parse_encoded(msg: Message, spec: FragmentSpec) -> tuple[tuple[torch.Tensor,
             raise WireError(f"{s.name}: expected float32 {list(s.shape)}, "
                             f"got {str(m.get('dtype'))[:20]} {str(m.get('shape'))[:60]}")
         try:
-            enc = codec.from_wire(s.shape, m.get("params"), msg.frames[start:start + n])
-            value = codec.decode(enc)
+            encoded.append(codec.from_wire(s.shape, m.get("params"), msg.frames[start:start + n]))
         except CodecError as exc:  # cut: the text may quote attacker-chosen parameter names
             raise WireError(f"{s.name}: {str(exc)[:500]}") from None
         start += n
-        encoded.append(enc)
-        decoded.append(value)
+
+    def decode(pair: tuple[TensorSpec, Encoded]) -> torch.Tensor:
+        try:
+            return codec.decode(pair[1])
+        except CodecError as exc:
+            raise WireError(f"{pair[0].name}: {str(exc)[:500]}") from None
+
+    pairs = list(zip(spec.tensors, encoded))
+    decoded = list(pool.map(decode, pairs)) if pool is not None and len(pairs) > 1 else [decode(x) for x in pairs]
     return tuple(decoded), tuple(encoded)
 
 
@@ -573,7 +582,9 @@ def _parse_plain(msg: Message, spec: FragmentSpec, meta: list[dict[str, Any]]) -
     return tuple(out)
 
 
-def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contribution:
+def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec], pool: Executor | None = None
+                       ) -> Contribution:
+    """A checked ``contrib``; ``pool``: its tensors decoded on the pool's workers."""
     h = msg.header
     p = _field(h, "fragment", int, minimum=0)
     if p >= len(fragments):
@@ -592,7 +603,7 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec]) -> Contr
     if "rank_steps" in h:
         counters["rank_steps"] = _field(h, "rank_steps", int, minimum=1)
         counters["rank_step_time"] = float(_field(h, "rank_step_time", (int, float), minimum=0))
-    pieces, tensors, encoded = parse_pieces(msg, fragments, p)  # after the cheap checks: decoding costs
+    pieces, tensors, encoded = parse_pieces(msg, fragments, p, pool)  # after the cheap checks: decoding costs
     return Contribution(learner_id=h["learner"], fragment=p, tensors=tensors, encoded=encoded, merge_gain=gain,
                         rank=h["rank"], pieces=pieces, **counters)
 
