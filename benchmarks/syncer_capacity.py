@@ -19,11 +19,14 @@ machine's memory gives), GB/s of fragment bytes coming in (M x the float32 size)
 Threads are what ``rackmend syncer --threads N`` sets: torch's intra-op threads and a pool
 of N workers for the merge's sums, the norms and decoding. Targets (issue 23): fp32
 merge+outer >= 0.6x copy with 2 threads, int4 decode+merge >= 0.3x copy. The table and
-``docs/capacity.md`` say what they came out as.
+``docs/capacity.md`` say what they came out as. Last, a sizing table (``plan``): the shards
+and syncer memory 7B and 70B models need at M=8, H=100, from the whole-round rates
+measured here with one thread.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import statistics
 import time
@@ -173,6 +176,28 @@ def two_shards(learners: int, fragment_mb: float, repeats: int) -> list[float]:
     return walls
 
 
+BYTES_PER_PARAM_HELD = {"theta": 1, "outer momentum": 1, "history (max_staleness 4)": 5, "rollback copy": 2,
+                        "snapshot sent": 1}
+"""What a syncer holds per fp32 byte of its fragments (``SyncerCore``: Θ, the Nesterov
+buffer, the last max_staleness + 1 values for re-anchoring, the value and momentum kept
+to roll back a non-finite step, the value being sent); contributions in rounds come on top."""
+
+
+def plan(measured: dict[str, float]) -> list[dict[str, Any]]:
+    """Shards and syncer memory for 7B and 70B models at M=8, H=100, 1 s and 5 s steps,
+    from the bytes per second one shard took in here (``measured``: GB/s per uplink)."""
+    rows = []
+    for params in (7e9, 70e9):
+        for step_s in (1.0, 5.0):
+            inbound = 8 * 4 * params / (100 * step_s) / 1e9  # GB/s of fp32 fragment bytes, M x 4N / (H T)
+            held = 4 * params * sum(BYTES_PER_PARAM_HELD.values()) / 1e9
+            row = {"params": params, "step_s": step_s, "inbound_gbps": inbound, "held_gb": held}
+            for uplink, gbps in measured.items():
+                row[f"shards_{uplink}"] = max(1, math.ceil(inbound / gbps))
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--learners", type=int, default=8)
@@ -201,10 +226,18 @@ def main() -> None:
         g, q = r["gbps"], r["ratio"]
         print(f"{name:<28} {g['median']:>7.2f} {g['min']:>7.2f} {g['max']:>7.2f} {q['median']:>7.2f} "
               f"{q['min']:>6.2f} {q['max']:>6.2f}")
+    measured = {"fp32": rows["fp32 round (1t)"]["gbps"]["median"], "int4": rows["int4 round (1t)"]["gbps"]["median"]}
+    sizing = plan(measured)
+    print(f"\nsizing at M=8, H=100 from one shard's whole round here (fp32 {measured['fp32']:.2f} GB/s, "
+          f"int4 {measured['int4']:.2f} GB/s):")
+    print(f"{'model':<6} {'step':>5} {'in GB/s':>8} {'shards fp32':>12} {'shards int4':>12} {'held GB':>8}")
+    for r in sizing:
+        print(f"{r['params'] / 1e9:>4.0f}B {r['step_s']:>4.0f}s {r['inbound_gbps']:>8.2f} {r['shards_fp32']:>12} "
+              f"{r['shards_int4']:>12} {r['held_gb']:>8.0f}")
     pick = lambda name: rows[name]["ratio"]["median"]  # noqa: E731
     finish("syncer_capacity", a.out,
            {"inputs": {"learners": a.learners, "fragment_mb": a.fragment_mb, "repeats": repeats, "bytes": nbytes},
-            "seconds": raw, "rows": rows},
+            "seconds": raw, "rows": rows, "sizing": sizing},
            {"fp32_merge_2t_x_copy": pick("fp32 merge+outer (2t)"), "fp32_merge_1t_x_copy": pick("fp32 merge+outer (1t)"),
             "int4_decode_merge_2t_x_copy": pick("int4 decode+merge (2t)"),
             "int8_decode_merge_2t_x_copy": pick("int8 decode+merge (2t)"),

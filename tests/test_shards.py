@@ -155,7 +155,7 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     assert all(e["version"] > resumed["versions"][Shard(1, 2).local(e["fragment"])] for e in after)
     for proc, name in ((a, "l0"), (b, "l1")):
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130, procs.output(name)[-3000:]
+        assert proc.wait(60) == 130, procs.output(name)[-3000:]
     for proc in (shards[0][0], procs.started[-1]):  # shard 0 and the resumed shard 1: a final checkpoint each
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -115,8 +115,14 @@ class ShardedLink:
         return [r for link in self.links for r in link.poll_advice()]
 
     def leave(self) -> None:
-        for link in self.links:
-            link.leave()
+        """Leave every shard at once: each waits up to its ``leave_timeout_s`` for the
+        shard's bye, and one shard down must not add its wait to the others'."""
+        threads = [threading.Thread(target=link.leave, name=f"rackmend-leave-shard{s}", daemon=True)
+                   for s, link in enumerate(self.links)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)  # a link's leave is bounded by its own timeouts (bye, then the thread's join)
 
     close = leave
 
