@@ -51,6 +51,7 @@ delta ~ 0.62 and needs ~ 60 steps at A = 1e6; see docs/benchmarks.md.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
@@ -236,6 +237,15 @@ class StepTimeDetector:
         self._blip_steps = 0
         self._blip_shift = 0.0
         self._dirty = 0
+        self._ends: deque[int] = deque()
+        """The end step of each sample in ``_recent`` (strictly increasing), for bisection."""
+        self._shift: float | None = None
+        self._shift_known = False
+        """``current_shift()``, computed once per state (``_touch`` forgets it)."""
+        self._levels: dict[tuple[int, int], tuple[float, float]] = {}
+        """``level_over`` by the slice of ``_recent`` it averages, for the current state: every
+        other learner asks for the fleet view, each with its own span, between two of this
+        stream's samples; many spans cover the same samples."""
 
     # ------------------------------------------------------------------ public
     def add(self, seconds: float, steps: int = 1, fleet_shift: float | FleetView = 0.0) -> Verdict | None:
@@ -243,9 +253,12 @@ class StepTimeDetector:
             return None
         x = math.log(seconds)
         self.steps += steps
+        self._touch()
         self._recent.append((self.steps, x, steps))
+        self._ends.append(self.steps)
         while self._recent and self._recent[0][0] <= self.steps - self.baseline_steps:
             self._recent.popleft()
+            self._ends.popleft()
         if self.mu is None or self._dirty * 8 >= len(self._base):
             self._refresh()
         if self.mu is None:
@@ -255,9 +268,11 @@ class StepTimeDetector:
 
     def current_shift(self) -> float | None:
         """Log shift of the last ``min_steps`` steps above the baseline (None while warming up)."""
-        if self.mu is None or not self._recent:
-            return None
-        return _wmedian(self._since(self.steps - self.min_steps)) - self.mu
+        if not self._shift_known:
+            self._shift = (None if self.mu is None or not self._recent
+                           else _wmedian(self._since(self.steps - self.min_steps)) - self.mu)
+            self._shift_known = True
+        return self._shift
 
     def level_over(self, span: int, skip_newest: bool = False) -> tuple[float, float] | None:
         """Log shift above the baseline of the last ``span`` steps (at least one sample,
@@ -273,14 +288,22 @@ class StepTimeDetector:
         slowdown; the trimmed means move together, a sample at a time."""
         if self.mu is None or not self._recent or not self._base:
             return None
-        if self._base_level is None:
-            self._base_level = _trimmed_mean(list(self._base), FLEET_TRIM)
-        recent = list(self._recent)[:-1] if skip_newest and len(self._recent) > 1 else list(self._recent)
-        end = recent[-1][0]
-        samples = [(x, n) for e, x, n in recent if e > end - span] or [(recent[-1][1], recent[-1][2])]
-        covered = sum(n for _, n in samples)
-        se = self.sigma * FLEET_SE * math.hypot(1 / math.sqrt(covered), 1 / math.sqrt(max(self._base_steps, 1)))
-        return _trimmed_mean(samples, FLEET_TRIM) - self._base_level, se
+        # The samples averaged are a slice recent[lo:hi] (ends strictly increase), so the
+        # answer depends on the span only through lo: cached by (lo, hi) until the next change.
+        ends = self._ends
+        hi = len(ends) - 1 if skip_newest and len(ends) > 1 else len(ends)
+        lo = min(bisect_right(ends, ends[hi - 1] - span, 0, hi), hi - 1)
+        level = self._levels.get((lo, hi))
+        if level is None:
+            if self._base_level is None:
+                self._base_level = _trimmed_mean(list(self._base), FLEET_TRIM)
+            recent = self._recent
+            samples = [(recent[i][1], recent[i][2]) for i in range(lo, hi)]
+            covered = sum(n for _, n in samples)
+            se = self.sigma * FLEET_SE * math.hypot(1 / math.sqrt(covered),
+                                                     1 / math.sqrt(max(self._base_steps, 1)))
+            level = self._levels[(lo, hi)] = (_trimmed_mean(samples, FLEET_TRIM) - self._base_level, se)
+        return level
 
     @property
     def baseline_seconds(self) -> float | None:
@@ -315,6 +338,8 @@ class StepTimeDetector:
         self._base_steps = sum(n for _, n in self._base)
         self._probation = deque((int(e), float(x), int(n)) for e, x, n in state["probation"])
         self._recent = deque((int(e), float(x), int(n)) for e, x, n in state["recent"])
+        self._ends = deque(e for e, _, _ in self._recent)
+        self._touch()
         self._cusums = [_Cusum(float(k), float(h), float(v), int(o)) for k, h, v, o in state["cusums"]]
         k, h, v, o = state["down"]
         self._down = _Cusum(float(k), float(h), float(v), int(o))
@@ -322,6 +347,12 @@ class StepTimeDetector:
             self._design()  # settings may differ from the run that saved this
 
     # ------------------------------------------------------------------ internals
+    def _touch(self) -> None:
+        """Forget what ``current_shift`` and ``level_over`` computed: the state changed."""
+        self._shift_known = False
+        if self._levels:
+            self._levels = {}
+
     def _since(self, step: int) -> list[tuple[float, int]]:
         """Samples ending after ``step`` (at least the newest one)."""
         out = [(x, n) for end, x, n in self._recent if end > step]
@@ -345,6 +376,7 @@ class StepTimeDetector:
             _, value, n = self._probation.popleft()
             self._base.append((value, n))
             self._base_level = None
+            self._touch()
             self._base_steps += n
             self._dirty += 1
             while (self._base_steps - self._base[0][1] >= self.baseline_steps
@@ -355,6 +387,7 @@ class StepTimeDetector:
         """Baseline from the admitted history: weighted median, and 1.4826 x the weighted
         median absolute deviation scaled to one step (a mean of n steps varies sqrt(n) less)."""
         self._dirty = 0
+        self._touch()
         if self._base_steps < self.baseline_steps // 2 or len(self._base) < self.min_samples // 2:
             return
         mu = _wmedian(list(self._base))
@@ -539,7 +572,14 @@ class FailSlowMonitor:
     ``observe(learner, rank, step, seconds, steps, fleet_size)`` feeds one
     contribution's timing and returns the ladder's typed actions. The caller applies
     them (membership) and logs them; ``forget`` drops a learner that left or rejoined.
+
+    A contribution reads every other learner's detector (the fleet), but only what each
+    computed once since its own last sample (``current_shift``, ``level_over``): the
+    cost per other learner is a lookup, not a pass over its recent samples.
     """
+
+    _detector = StepTimeDetector
+    """The detector class (tests substitute a reference implementation)."""
 
     def __init__(self, *, min_slowdown: float = 0.10, min_steps: int = 10, false_alarm_steps: float = 1e7,
                  baseline_steps: int = 256, advise_after: int = 30, evict_cost: float = 3600.0) -> None:
@@ -549,6 +589,8 @@ class FailSlowMonitor:
         self.advise_after = advise_after
         self.evict_cost = evict_cost
         self.detectors: dict[tuple[str, int], StepTimeDetector] = {}
+        self._order: list[tuple[str, StepTimeDetector]] | None = None
+        """(learner, detector) of ``detectors`` in key order; None: to be rebuilt (the set changed)."""
         self.last_step: dict[tuple[str, int], int] = {}
         self.cases: dict[str, _Case] = {}
         """Learners flagged slow, by id."""
@@ -569,9 +611,10 @@ class FailSlowMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace everything with ``state_dict()``'s output."""
         self.detectors, self.last_step, self.cases = {}, {}, {}
+        self._order = None
         for lid, rank, last, det_state in state["detectors"]:
             key = (str(lid), int(rank))
-            det = self.detectors[key] = StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]
+            det = self.detectors[key] = self._detector(**self._detector_args)  # type: ignore[arg-type]
             det.load_state_dict(det_state)
             if last is not None:
                 self.last_step[key] = int(last)
@@ -584,6 +627,7 @@ class FailSlowMonitor:
         for key in [k for k in self.detectors if k[0] == learner]:
             del self.detectors[key]
             self.last_step.pop(key, None)
+            self._order = None
         self.cases.pop(learner, None)
 
     def observe(self, learner: str, rank: int, step: int, seconds: float, steps: int,
@@ -603,7 +647,8 @@ class FailSlowMonitor:
             steps = step - last
         det = self.detectors.get(key)
         if det is None:
-            det = self.detectors[key] = StepTimeDetector(**self._detector_args)  # type: ignore[arg-type]
+            det = self.detectors[key] = self._detector(**self._detector_args)  # type: ignore[arg-type]
+            self._order = None
         verdict = det.add(seconds, steps, lambda span: self._fleet_view(learner, span))
         out: list[FailSlowAction] = []
         case = self.cases.get(learner)
@@ -662,9 +707,11 @@ class FailSlowMonitor:
         that one sick rack does not move the reference of a fleet; but when it is the
         whole fleet (two learners, or all slowed together) leaving it out would judge the
         rest against nobody, and a shared slowdown would flag each learner in turn."""
-        others = sorted(((lid, rank), d) for (lid, rank), d in self.detectors.items()
-                        if lid != learner and d.mu is not None)
-        healthy = [d for (lid, _), d in others if lid not in self.cases]
+        if self._order is None:
+            self._order = [(key[0], d) for key, d in sorted(self.detectors.items(), key=lambda kv: kv[0])]
+        others = [(lid, d) for lid, d in self._order if lid != learner and d.mu is not None]
+        cases = self.cases
+        healthy = [d for lid, d in others if lid not in cases]
         return healthy or [d for _, d in others]
 
     def _fleet_shift(self, learner: str, span: int | None = None) -> float:
