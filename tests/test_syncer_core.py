@@ -13,12 +13,12 @@ from rackmend.core import (
     FragmentSpec,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
     SendUpdate,
     SyncerCore,
     TensorSpec,
     Tick,
 )
+from rackmend.core.records import Merged, Rejected, Superseded, SyncerRecord
 
 N = 4
 
@@ -43,11 +43,14 @@ def contrib(lid: str, value: float = 1.0, base: int = 0, step: int = 8, p: int =
 
 
 def merges(actions) -> list[dict]:
-    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == "merge"]
+    """The ``Merged`` records among ``actions``, as their log lines."""
+    return events(actions, Merged)
 
 
-def events(actions, name: str) -> list[dict]:
-    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == name]
+def events(actions, kind: type[SyncerRecord]) -> list[dict]:
+    """The records of type ``kind`` among ``actions``, as their log lines (``to_record()``):
+    the driver's dispatch by type, and the documented log fields checked at once."""
+    return [a.to_record() for a in actions if isinstance(a, kind)]
 
 
 def test_quorum_then_grace_expiry() -> None:
@@ -222,7 +225,7 @@ def test_newest_contribution_per_learner_supersedes() -> None:
     core.handle(contrib("a", 1.0, step=8, steps=8), 0.0)
     core.handle(contrib("a", 3.0, step=16, steps=16), 0.1)  # cumulative: replaces, not adds
     acts = core.handle(contrib("a", 9.0, step=8), 0.2)  # older one arriving late is ignored
-    assert events(acts, "superseded")
+    assert events(acts, Superseded)
     core.handle(contrib("b", 1.0), 0.3)
     (m,) = merges(core.handle(Tick(), 5.0))
     assert m["merged"] == ["a", "b"]
@@ -244,7 +247,7 @@ def test_newest_contribution_per_learner_supersedes() -> None:
 def test_bad_contributions_rejected_and_logged(bad, reason: str) -> None:
     core = make_core(K=1)
     acts = core.handle(bad, 0.0)
-    (r,) = events(acts, "reject")
+    (r,) = events(acts, Rejected)
     assert reason in r["reason"]
     assert core.rejected == 1 and not core.rounds[0].pending
     # ... and everyone else is still served
@@ -256,7 +259,7 @@ def test_too_stale_is_dropped() -> None:
     for r in range(3):
         core.handle(contrib("a", base=r, step=8 * (r + 1)), float(r))
     assert core.versions[0] == 3
-    (r,) = events(core.handle(contrib("b", base=0), 5.0), "reject")
+    (r,) = events(core.handle(contrib("b", base=0), 5.0), Rejected)
     assert "stale" in r["reason"]
 
 
