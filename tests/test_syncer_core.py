@@ -305,3 +305,36 @@ def test_fragments_are_independent() -> None:
     core.handle(contrib("b", p=0), 0.1)
     assert merges(core.handle(Tick(), 1.1))[0]["fragment"] == 0
     assert core.versions == [1, 0]
+
+
+def test_records_are_typed_documented_and_write_the_documented_log_lines() -> None:
+    """Every record type says what it is, has an event name, and its log line starts
+    with ``event`` and ``t``; the levels agree with ``WARNING_EVENTS`` (what readers of
+    the log file are told is a warning)."""
+    import dataclasses
+    import logging
+
+    from rackmend.core import records
+    from rackmend.core.failslow import FailSlowReport, RestoreLearner, StopExpecting
+
+    kinds = [getattr(records, n) for n in records.__all__
+             if isinstance(getattr(records, n), type) and issubclass(getattr(records, n), SyncerRecord)]
+    assert len(kinds) == 17
+    for kind in kinds:
+        assert kind.__doc__ and dataclasses.is_dataclass(kind)
+        assert kind.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    plain = [k for k in kinds if k not in (SyncerRecord, records.FailSlowNoted)]
+    assert {k.event for k in plain if k.level >= logging.WARNING and k not in (
+        records.Incomplete, records.PieceDropped)} | {"failslow_slow", "failslow_evict"} == records.WARNING_EVENTS
+    report = FailSlowReport("a", 0, "slow", 2.0, 2.0, 0.1, 10)
+    slow = records.FailSlowNoted(t=1.0, action=StopExpecting(report), reason="r")
+    back = records.FailSlowNoted(t=2.0, action=RestoreLearner(report), reason="r")
+    assert (slow.level, back.level) == (logging.WARNING, logging.DEBUG)
+    assert list(slow.to_record())[:3] == ["event", "t", "learner"] and slow.to_record()["event"] == "failslow_slow"
+    core = make_core(learners=("a",), K=1)
+    acts = core.handle(contrib("a"), 1.0)
+    (m,) = [a for a in acts if isinstance(a, Merged)]
+    line = m.to_record()
+    assert list(line)[:4] == ["event", "t", "fragment", "round"] and line["merged"] == ["a"] and "cause" not in line
+    (r,) = [a for a in core.handle(contrib("zz"), 2.0) if isinstance(a, Rejected)]
+    assert r.code == "not_joined" and list(r.to_record()) == ["event", "t", "learner", "fragment", "code", "reason"]
