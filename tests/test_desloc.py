@@ -19,6 +19,7 @@ from rackmend.config import ConfigError
 from rackmend.core.fragments import fragment_tensors, pack_fragments
 from rackmend.core.messages import MomentContribution, moment_spec
 from rackmend.core.settings import LearnerSettings, peer_mismatch, syncer_mismatch
+from rackmend.core.records import Guarded, Rejected, SyncerRecord
 from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate, SyncerCore
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
@@ -150,6 +151,13 @@ def test_syncer_checkpoint_round_trips_the_moments(tmp_path: Path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got.tensors, upd.tensors)), f"{key} changed on the round trip"
 
 
+def _refusals(actions: list) -> list[str]:
+    """The codes of the ``Rejected`` records among ``actions``; another record fails."""
+    records = [a for a in actions if isinstance(a, SyncerRecord)]
+    assert all(isinstance(r, Rejected) for r in records), records
+    return [r.code for r in records]
+
+
 def _core(desloc: bool = True) -> tuple[SyncerCore, list]:
     config = _config(2, 1, ku=H, kv=H, desloc=desloc)
     model = make_model()
@@ -176,14 +184,14 @@ def test_syncer_core_weighted_mean_and_refusals() -> None:
     # tokens_sq_per_step: 12**2/3 = 48 and 24**2/3 = 192, i.e. 1/5 and 4/5
     assert torch.allclose(sends[0].update.tensors[0], torch.full_like(sends[0].update.tensors[0], 0.2 + 3.2))
     negative = core.handle(MomentsArrived(_moments("l0", frags, "exp_avg_sq", -1.0)), 3.0)
-    assert [r.record["code"] for r in negative if hasattr(r, "record")] == ["negative"]
+    assert _refusals(negative) == ["negative"]
     bad = _moments("l0", frags, "exp_avg", 1.0)
     wrong_shape = MomentContribution(**{**bad.__dict__, "tensors": bad.tensors[1:]})
-    assert [r.record["code"] for r in core.handle(MomentsArrived(wrong_shape), 3.0)] == ["layout"]
+    assert _refusals(core.handle(MomentsArrived(wrong_shape), 3.0)) == ["layout"]
     nan = MomentContribution(**{**bad.__dict__, "tensors": tuple(torch.full_like(t, float("nan")) for t in bad.tensors)})
-    assert [r.record["code"] for r in core.handle(MomentsArrived(nan), 3.0)] == ["non_finite"]
+    assert _refusals(core.handle(MomentsArrived(nan), 3.0)) == ["non_finite"]
     off, frags_off = _core(desloc=False)
-    assert [r.record["code"] for r in off.handle(MomentsArrived(_moments("l0", frags_off, "exp_avg", 1.0)), 1.0)] \
+    assert _refusals(off.handle(MomentsArrived(_moments("l0", frags_off, "exp_avg", 1.0)), 1.0)) \
         == ["moments_off"]
 
 
@@ -201,7 +209,7 @@ def test_a_huge_finite_moment_is_clipped_to_the_guard_bound() -> None:
         return out
 
     def guards(out: list) -> list[dict]:
-        return [a.record for a in out if getattr(a, "record", {}).get("event") == "guard"]
+        return [a.to_record() for a in out if isinstance(a, Guarded)]
 
     for version, l1 in enumerate((1.5, 20.0)):  # honest learners differ, within the bound
         assert not guards(round_(version, {"l0": 1.0, "l1": l1}))
@@ -228,7 +236,7 @@ def test_moment_guard_has_no_window_to_ratchet() -> None:
         honest = replace(_moments("l0", frags, "exp_avg", 1.0, step=3 * version + 3), base_version=version)
         out = core.handle(MomentsArrived(honest), float(version) + 0.5)
         assert [a for a in out if isinstance(a, SendMomentUpdate)], "the round closed"
-        guards += [a.record for a in out if getattr(a, "record", {}).get("event") == "guard"]
+        guards += [a.to_record() for a in out if isinstance(a, Guarded)]
     assert [g["learner"] for g in guards] == ["l1"] * 7  # every burst from 64x on, and the 1e6x one
     assert guards[-1]["bound"] == pytest.approx(guards[0]["bound"]), "the bound did not grow"
 

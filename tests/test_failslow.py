@@ -29,7 +29,10 @@ from rackmend.core import (  # noqa: E402
     FailSlowReport,
     FragmentSpec,
     LearnerJoined,
-    LogRecord,
+    FailSlowNoted,
+    Merged,
+    Rejected,
+    SyncerRecord,
     MarkForEviction,
     RestoreLearner,
     SendUpdate,
@@ -140,7 +143,7 @@ class Fleet:
         self.now = 0.0
         self.step = 0
         self.rng = random.Random(0)
-        self.log: list[dict] = []
+        self.log: list[SyncerRecord] = []
         self.typed: list[object] = []
 
     def round(self, factor: float = 1.0, fleet: float = 1.0) -> list[dict]:
@@ -153,17 +156,18 @@ class Fleet:
                              (torch.ones(N),), rank=1 if lid == "c" else 0, rank_steps=STEPS,
                              rank_step_time=seconds)
             for a in self.core.handle(ContributionArrived(c), self.now):
-                if isinstance(a, LogRecord):
-                    self.log.append(a.record)
-                    if a.record["event"] == "merge":
-                        merges.append(a.record)
+                if isinstance(a, SyncerRecord):
+                    self.log.append(a)
+                    if isinstance(a, Merged):
+                        merges.append(a.to_record())
                 elif not isinstance(a, SendUpdate):
                     self.typed.append(a)
         self.now += STEPS * 0.1 * fleet
         return merges
 
-    def failslow(self) -> list[dict]:
-        return [r for r in self.log if r["event"].startswith("failslow_")]
+    def failslow(self, since: int = 0) -> list[dict]:
+        """The fail-slow records from ``log[since]`` on, as their log lines."""
+        return [r.to_record() for r in self.log[since:] if isinstance(r, FailSlowNoted)]
 
 
 def test_core_walks_the_ladder_and_back() -> None:
@@ -318,9 +322,9 @@ def test_detector_state_survives_a_syncer_checkpoint(tmp_path: Path) -> None:
             f.round(factor=2.0)
         for _ in range(30):
             f.round()
-    after = [r for r in fleet.log[seen:] if r["event"].startswith("failslow_")]
+    after = fleet.failslow(seen)
     assert "failslow_restore" in [r["event"] for r in after]
-    assert [r for r in twin.log if r["event"].startswith("failslow_")] == after
+    assert twin.failslow() == after
     assert resumed.expected_learners() == {"a", "b", "c"}
     assert resumed.failslow.state_dict() == core.failslow.state_dict()
 
@@ -340,9 +344,8 @@ def test_off_and_deterministic_runs_have_no_detector() -> None:
 def test_absurd_rank_step_time_is_rejected() -> None:
     core = make_core()
     c = Contribution("a", 0, 0, 4, 4, 16.0, 0.1, (torch.ones(N),), rank_steps=4, rank_step_time=1e9)
-    (rej,) = [a.record for a in core.handle(ContributionArrived(c), 0.0)
-              if isinstance(a, LogRecord) and a.record["event"] == "reject"]
-    assert "rank_step_time" in rej["reason"]
+    (rej,) = [a for a in core.handle(ContributionArrived(c), 0.0) if isinstance(a, Rejected)]
+    assert rej.code == "bounds" and "rank_step_time" in rej.reason
 
 
 # ------------------------------------------------------------------ the wire

@@ -23,7 +23,6 @@ from rackmend.core import (
     FragmentSpec,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
     SendUpdate,
     SyncerCore,
     Tick,
@@ -31,6 +30,7 @@ from rackmend.core import (
     pack_fragments,
 )
 from rackmend.core.merge import contribution_weight
+from rackmend.core.records import Combined, FinalMerged, Merged, Superseded, SyncerRecord
 
 from helpers import batch, make_inner, make_model, train
 from test_syncer_core import contrib, events, make_core, merges, N
@@ -47,15 +47,15 @@ class StepHub:
         self.core = core
         self.now = 0.0
         self.links: dict[str, StepLink] = {}
-        self.records: list[dict] = []
+        self.records: list[SyncerRecord] = []
 
     def handle(self, event: object) -> None:
         for action in self.core.handle(event, self.now):  # type: ignore[arg-type]
             if isinstance(action, SendUpdate):
                 for lid in action.to:
                     self.links[lid].inbox.append(action.update)
-            elif isinstance(action, LogRecord):
-                self.records.append(action.record)
+            elif isinstance(action, SyncerRecord):
+                self.records.append(action)
 
     def deliver(self, lid: str) -> Contribution:
         """Hand ``lid``'s oldest undelivered contribution to the core."""
@@ -63,8 +63,9 @@ class StepHub:
         self.handle(ContributionArrived(c))
         return c
 
-    def named(self, event: str) -> list[dict]:
-        return [r for r in self.records if r["event"] == event]
+    def named(self, kind: type[SyncerRecord]) -> list[dict]:
+        """The records of type ``kind``, as their log lines."""
+        return [r.to_record() for r in self.records if isinstance(r, kind)]
 
 
 class StepLink:
@@ -138,7 +139,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     hub.deliver("l2")  # quorum: the grace window runs
     hub.now = 5.0
     hub.handle(Tick())
-    assert hub.core.versions[0] == 1 and hub.named("merge")[-1]["merged"] == ["l0", "l2"]
+    assert hub.core.versions[0] == 1 and hub.named(Merged)[-1]["merged"] == ["l0", "l2"]
     b1 = hub.deliver("l1")  # too late for round 0: pending, based on version 0
     theta1 = [t.clone() for t in hub.core.theta[0]]
 
@@ -152,7 +153,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     hub.handle(Tick())
     assert hub.core.versions[0] == 2
 
-    merge = hub.named("merge")[-1]
+    merge = hub.named(Merged)[-1]
     assert merge["merged"] == ["l0", "l1"]
     # Counters add up: b's c1 covers steps 1..H; c2 the steps after it applied version 1.
     assert (b1.c_steps, b2.c_steps) == (H, H - tau)
@@ -173,7 +174,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     assert any(not torch.allclose(w, g.double(), rtol=0, atol=1e-4) for w, g in zip(lost, hub.core.theta[0])), \
         "vacuous: the value without c1 equals the one with it"
     assert merge["weights"]["l1"] == pytest.approx(w_b / (w_a + w_b))
-    (comb,) = hub.named("combined")
+    (comb,) = hub.named(Combined)
     assert comb["learner"] == "l1" and comb["base_versions"] == [0, 1]
 
 
@@ -191,7 +192,7 @@ def test_combined_stale_pieces_are_anchored_once_from_the_newer_base() -> None:
     # Now the case at issue: both of b's sends pending at once.
     core.handle(contrib("b", 4.0, base=1, step=16, steps=6, tokens=6.0), 1.5)  # stale (v2 now)
     acts = core.handle(contrib("b", 3.0, base=2, step=24, steps=6, tokens=6.0), 2.0)
-    (comb,) = events(acts, "combined")
+    (comb,) = events(acts, Combined)
     assert comb["base_versions"] == [1, 2]
     # Combined d = 4 + 3 = 7, based on version 2 = current: no anchoring term. Alone
     # (K=1, grace 0): theta3 = -2 - 7 = -9. Anchoring c1 from its own base 1 as well
@@ -210,7 +211,7 @@ def test_cumulative_send_replaces_only_the_newest_piece() -> None:
     core.handle(contrib("a", 2.0, base=0, step=16, steps=16), 1.0)  # same base: cumulative... but stale
     core.handle(contrib("a", 5.0, base=1, step=24, steps=4), 1.5)  # applied v1 at 20: disjoint -> combined
     acts = core.handle(contrib("a", 6.0, base=1, step=28, steps=8), 2.0)  # same base as 24: holds its work
-    (sup,) = events(acts, "superseded")
+    (sup,) = events(acts, Superseded)
     assert (sup["step"], sup["by_step"]) == (24, 28)
     (m,) = merges(core.handle(contrib("b", 1.0, base=1, step=16), 2.5))  # all in: closes at once
     # a: 2 + 6 = 8 with 16 + 8 steps; b: 1 with 8 steps; weights tokens^2/steps, tokens 8 each:
@@ -229,7 +230,7 @@ def test_rejoin_send_that_kept_its_progress_replaces() -> None:
     core.handle(contrib("b", 1.0), 0.0)  # v1
     core.handle(contrib("a", 2.0, base=0, step=16, steps=16), 1.0)
     acts = core.handle(contrib("a", 3.0, base=1, step=24, steps=24), 1.5)
-    assert events(acts, "superseded") and not events(acts, "combined")
+    assert events(acts, Superseded) and not events(acts, Combined)
 
 
 # ------------------------------------------------------------------ trap 10: work pending at the end
@@ -277,7 +278,7 @@ def test_final_merge_merges_every_fragment_with_pending_work() -> None:
     core.handle(contrib("a", 2.0, p=0), 0.0)
     core.handle(contrib("b", 1.0, p=2), 0.0)
     acts = core.handle(FinalMerge(), 1.0)
-    (fin,) = events(acts, "final_merge")
+    (fin,) = events(acts, FinalMerged)
     assert fin["fragments"] == [0, 2]
     ms = merges(acts)
     assert [m["fragment"] for m in ms] == [0, 2] and all(m["cause"] == "final" for m in ms)
@@ -333,6 +334,6 @@ def test_inprocess_leave_merges_the_leavers_work() -> None:
 def test_inprocess_close_merges_pending_work() -> None:
     hub, model, theta0 = _inprocess_one_sender(leave=False)
     hub.close()
-    assert [e["event"] for e in hub.events if e["event"] in ("final_merge", "merge")] == ["final_merge", "merge"]
+    assert [type(r) for r in hub.records if isinstance(r, (FinalMerged, Merged))] == [FinalMerged, Merged]
     assert hub.merges()[0]["cause"] == "final"
     _assert_theta_is(hub, model, theta0)

@@ -10,6 +10,7 @@ from torch import nn
 
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.assembly import Assembler
+from rackmend.core.records import Incomplete, PieceDropped
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece, cover_problem, cut, differing_copies, owner, pieces_problem, whole_pieces
@@ -100,16 +101,16 @@ def test_incomplete_contributions_are_dropped_with_a_reason() -> None:
     asm, expected = Assembler(LAYOUT), frozenset({0, 1})
     asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=3), expected, 0.0)
     done, records = asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=6), expected, 1.0)
-    assert done is None and [r["event"] for r in records] == ["incomplete"]
-    assert records[0]["missing"] == [1] and "superseded" in records[0]["reason"]
+    assert done is None and [type(r) for r in records] == [Incomplete]
+    assert records[0].missing == (1,) and "superseded" in records[0].reason
     late, records = asm.add(_contrib(1, ranks[1][0], cut(whole, ranks[1][0]), step=3, seq=4), expected, 2.0)
-    assert late is None and records[0]["event"] == "piece_dropped"
+    assert late is None and isinstance(records[0], PieceDropped)
     _, records = asm.add(_contrib(1, ranks[1][0], cut(whole, ranks[1][0]), step=6, c_steps=2, seq=6), expected, 2.0)
-    assert records[0]["event"] == "incomplete" and "disagree" in records[0]["reason"]
+    assert isinstance(records[0], Incomplete) and "disagree" in records[0].reason
     asm.add(_contrib(0, ranks[0][0], cut(whole, ranks[0][0]), step=9, seq=9), expected, 3.0)
     assert asm.expire(5.0, 10.0) == []
     records = asm.expire(14.0, 10.0)
-    assert [r["missing"] for r in records] == [[1]] and "incomplete after 10s" in records[0]["reason"]
+    assert [r.missing for r in records] == [(1,)] and "incomplete after 10s" in records[0].reason
     assert asm.dropped == 3
 
 
@@ -132,9 +133,9 @@ def test_pieces_of_a_relaunched_rack_replace_those_its_old_processes_left(first:
         assert asm.add(piece(1, step, 8), expected, 0.0)[0] is not None
     assert asm.add(piece(0, 5, 7), expected, 1.0) == (None, [])  # rank 1 dies before its piece of step 5
     done, records = asm.add(piece(first, 1, 20 + first), expected, 2.0)
-    assert done is None and [r["event"] for r in records] == ["incomplete"], records
-    assert (records[0]["step"], records[0]["ranks"], records[0]["missing"]) == (5, [0], [1])
-    assert f"rank {first} restarted" in records[0]["reason"]
+    assert done is None and [type(r) for r in records] == [Incomplete], records
+    assert (records[0].step, records[0].ranks, records[0].missing) == (5, (0,), (1,))
+    assert f"rank {first} restarted" in records[0].reason
     done, records = asm.add(piece(1 - first, 1, 21 - first), expected, 2.5)
     assert records == [] and done is not None and done.step == 1
     assert all(torch.equal(a, b) for a, b in zip(done.tensors, whole))

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
+from rackmend.core.records import Left, Rejected
 from rackmend.core.shards import Shard, owner, parse_shard
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.export import ExportError, export_model
@@ -53,7 +54,8 @@ def test_shard_numbering_and_refusals() -> None:
     mine = two[1].fragments(frags)
     assert [f.index for f in mine] == [0, 1] and [f.tensors for f in mine] == [frags[1].tensors, frags[3].tensors]
     assert two[0].select("abcd") == ("a", "c")
-    assert two[1].record({"event": "merge", "fragment": 1}) == {"event": "merge", "fragment": 3}
+    assert two[1].record(Left(t=0.0, learner="a", reason="leave")) == Left(t=0.0, learner="a", reason="leave")
+    assert two[1].record(Rejected(t=0.0, learner="a", fragment=1, code="stale", reason="")).fragment == 3
     assert parse_shard("1/3") == Shard(1, 3)
     for bad in ("2/2", "1", "-1/2", "a/b", "0/0"):
         with pytest.raises(ConfigError, match="shard"):

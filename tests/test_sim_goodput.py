@@ -11,6 +11,7 @@ import pytest
 from helpers import run_inprocess
 from rackmend.cli import main as cli_main
 from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Merged, SyncerRecord
 from rackmend.sim import Failures, Kill, RackSpec, SimConfig, Simulation, simulate
 from rackmend.sim.config import YEAR
 from rackmend.sim.goodput import simulate_data_parallel
@@ -23,9 +24,8 @@ def run(**kw: object) -> RackmendConfig:
                           syncer=SyncerConfig(grace_max=GRACE, **kw))  # type: ignore[arg-type]
 
 
-def merges(records: list[dict]) -> list[tuple]:
-    return [(r["fragment"], r["version"], tuple(r["merged"]), tuple(r["stale"]))
-            for r in records if r["event"] == "merge"]
+def merges(records: list[SyncerRecord]) -> list[tuple]:
+    return [(r.fragment, r.version, r.merged, r.stale) for r in records if isinstance(r, Merged)]
 
 
 def test_merge_sequence_equals_a_real_in_process_run() -> None:
@@ -36,7 +36,7 @@ def test_merge_sequence_equals_a_real_in_process_run() -> None:
                             learner=LearnerConfig(apply="overwrite"))
     ids, steps = ["l0", "l1", "l2"], 4 * 6  # the helpers' ids; the simulator's are L0..
     _, hub = run_inprocess(config, ids, steps)
-    real = [m for m in merges(hub.events) if m[1] <= steps // 4]
+    real = [m for m in merges(hub.records) if m[1] <= steps // 4]
     sim = Simulation(SimConfig(run=config, racks=tuple(RackSpec() for _ in ids), duration=steps + 0.5,
                                fragment_size=4))
     sim.run()
@@ -54,7 +54,7 @@ def test_killed_learner_is_never_waited_for_beyond_the_grace_bound() -> None:
     sim = Simulation(SimConfig(**base, kills=kills))  # type: ignore[arg-type]
     report = sim.run()
     assert [lr.steps for lr in report.learners[:2]] == [lr.steps for lr in healthy.learners[:2]]
-    waits = [r["wait_s"] for r in sim.syncer_records if r["event"] == "merge"]
+    waits = [r.wait_s for r in sim.syncer_records if isinstance(r, Merged)]
     assert max(waits) <= GRACE + 0.2 + 1e-9
     assert report.max_merge_gap is not None and report.max_merge_gap <= H * 1.0 + 0.2 + GRACE + 1e-9
 

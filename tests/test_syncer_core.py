@@ -13,12 +13,12 @@ from rackmend.core import (
     FragmentSpec,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
     SendUpdate,
     SyncerCore,
     TensorSpec,
     Tick,
 )
+from rackmend.core.records import Merged, Rejected, Superseded, SyncerRecord
 
 N = 4
 
@@ -43,11 +43,14 @@ def contrib(lid: str, value: float = 1.0, base: int = 0, step: int = 8, p: int =
 
 
 def merges(actions) -> list[dict]:
-    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == "merge"]
+    """The ``Merged`` records among ``actions``, as their log lines."""
+    return events(actions, Merged)
 
 
-def events(actions, name: str) -> list[dict]:
-    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == name]
+def events(actions, kind: type[SyncerRecord]) -> list[dict]:
+    """The records of type ``kind`` among ``actions``, as their log lines (``to_record()``):
+    the driver's dispatch by type, and the documented log fields checked at once."""
+    return [a.to_record() for a in actions if isinstance(a, kind)]
 
 
 def test_quorum_then_grace_expiry() -> None:
@@ -222,7 +225,7 @@ def test_newest_contribution_per_learner_supersedes() -> None:
     core.handle(contrib("a", 1.0, step=8, steps=8), 0.0)
     core.handle(contrib("a", 3.0, step=16, steps=16), 0.1)  # cumulative: replaces, not adds
     acts = core.handle(contrib("a", 9.0, step=8), 0.2)  # older one arriving late is ignored
-    assert events(acts, "superseded")
+    assert events(acts, Superseded)
     core.handle(contrib("b", 1.0), 0.3)
     (m,) = merges(core.handle(Tick(), 5.0))
     assert m["merged"] == ["a", "b"]
@@ -244,7 +247,7 @@ def test_newest_contribution_per_learner_supersedes() -> None:
 def test_bad_contributions_rejected_and_logged(bad, reason: str) -> None:
     core = make_core(K=1)
     acts = core.handle(bad, 0.0)
-    (r,) = events(acts, "reject")
+    (r,) = events(acts, Rejected)
     assert reason in r["reason"]
     assert core.rejected == 1 and not core.rounds[0].pending
     # ... and everyone else is still served
@@ -256,7 +259,7 @@ def test_too_stale_is_dropped() -> None:
     for r in range(3):
         core.handle(contrib("a", base=r, step=8 * (r + 1)), float(r))
     assert core.versions[0] == 3
-    (r,) = events(core.handle(contrib("b", base=0), 5.0), "reject")
+    (r,) = events(core.handle(contrib("b", base=0), 5.0), Rejected)
     assert "stale" in r["reason"]
 
 
@@ -302,3 +305,36 @@ def test_fragments_are_independent() -> None:
     core.handle(contrib("b", p=0), 0.1)
     assert merges(core.handle(Tick(), 1.1))[0]["fragment"] == 0
     assert core.versions == [1, 0]
+
+
+def test_records_are_typed_documented_and_write_the_documented_log_lines() -> None:
+    """Every record type says what it is, has an event name, and its log line starts
+    with ``event`` and ``t``; the levels agree with ``WARNING_EVENTS`` (what readers of
+    the log file are told is a warning)."""
+    import dataclasses
+    import logging
+
+    from rackmend.core import records
+    from rackmend.core.failslow import FailSlowReport, RestoreLearner, StopExpecting
+
+    kinds = [getattr(records, n) for n in records.__all__
+             if isinstance(getattr(records, n), type) and issubclass(getattr(records, n), SyncerRecord)]
+    assert len(kinds) == 17
+    for kind in kinds:
+        assert kind.__doc__ and dataclasses.is_dataclass(kind)
+        assert kind.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    plain = [k for k in kinds if k not in (SyncerRecord, records.FailSlowNoted)]
+    assert {k.event for k in plain if k.level >= logging.WARNING and k not in (
+        records.Incomplete, records.PieceDropped)} | {"failslow_slow", "failslow_evict"} == records.WARNING_EVENTS
+    report = FailSlowReport("a", 0, "slow", 2.0, 2.0, 0.1, 10)
+    slow = records.FailSlowNoted(t=1.0, action=StopExpecting(report), reason="r")
+    back = records.FailSlowNoted(t=2.0, action=RestoreLearner(report), reason="r")
+    assert (slow.level, back.level) == (logging.WARNING, logging.DEBUG)
+    assert list(slow.to_record())[:3] == ["event", "t", "learner"] and slow.to_record()["event"] == "failslow_slow"
+    core = make_core(learners=("a",), K=1)
+    acts = core.handle(contrib("a"), 1.0)
+    (m,) = [a for a in acts if isinstance(a, Merged)]
+    line = m.to_record()
+    assert list(line)[:4] == ["event", "t", "fragment", "round"] and line["merged"] == ["a"] and "cause" not in line
+    (r,) = [a for a in core.handle(contrib("zz"), 2.0) if isinstance(a, Rejected)]
+    assert r.code == "not_joined" and list(r.to_record()) == ["event", "t", "learner", "fragment", "code", "reason"]

@@ -22,13 +22,13 @@ from rackmend.core import (
     ContributionArrived,
     FragmentSpec,
     LearnerJoined,
-    LogRecord,
     SendUpdate,
     SyncerCore,
     TensorSpec,
     Tick,
 )
 from rackmend.core.fragments import pack_fragments
+from rackmend.core.records import Dropped, Guarded, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 
@@ -58,8 +58,9 @@ def contrib(lid: str, tensor: torch.Tensor, base: int = 0, step: int = 8, steps:
     return ContributionArrived(Contribution(lid, 0, base, step, steps, tokens, step_time, (tensor,), **extra))  # type: ignore[arg-type]
 
 
-def events(actions: list, name: str) -> list[dict]:
-    return [a.record for a in actions if isinstance(a, LogRecord) and a.record["event"] == name]
+def events(actions: list, kind: type[SyncerRecord]) -> list[dict]:
+    """The records of type ``kind`` among ``actions``, as their log lines."""
+    return [a.to_record() for a in actions if isinstance(a, kind)]
 
 
 # ------------------------------------------------------------------ 1: counters, weights, finiteness
@@ -72,11 +73,11 @@ def events(actions: list, name: str) -> list[dict]:
 def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field: str, value: float) -> None:
     core = make_core()
     bad = contrib("b", torch.full((N,), 1.0), **{field: value})  # type: ignore[arg-type]
-    rejected = events(core.handle(bad, 0.0), "reject")
+    rejected = events(core.handle(bad, 0.0), Rejected)
     core.handle(contrib("a", torch.full((N,), 1.0)), 0.1)
     actions = core.handle(Tick(), 5.0)
     assert rejected and "bound" in rejected[0]["reason"] and rejected[0]["code"] == "bounds", rejected
-    (m,) = events(actions, "merge")
+    (m,) = events(actions, Merged)
     assert m["merged"] == ["a"]
     assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
 
@@ -96,11 +97,11 @@ def test_non_finite_outer_step_is_not_committed() -> None:
     core = make_core(learners=("a",), initial=1e38, norm_guard=0.0)
     actions = core.handle(contrib("a", torch.full((N,), -3e38)), 0.0)
     assert torch.equal(core.theta[0][0], torch.full((N,), 1e38)), "a non-finite value was committed"
-    assert core.versions[0] == 0 and not events(actions, "merge")
-    (dropped,) = events(actions, "merge_dropped")
+    assert core.versions[0] == 0 and not events(actions, Merged)
+    (dropped,) = events(actions, Dropped)
     assert "non-finite" in dropped["reason"] and dropped["dropped"] == ["a"]
     # The round goes on: the next contribution merges normally.
-    (m,) = events(core.handle(contrib("a", torch.full((N,), 1e37), step=16), 1.0), "merge")
+    (m,) = events(core.handle(contrib("a", torch.full((N,), 1e37), step=16), 1.0), Merged)
     assert m["merged"] == ["a"] and torch.isfinite(core.theta[0][0]).all()
 
 
@@ -127,11 +128,11 @@ def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
         bad[0] = 3e38
     core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 10.0)
     actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8), 10.0)
-    (guard,) = events(actions, "guard")
+    (guard,) = events(actions, Guarded)
     margin = core.config.syncer.norm_guard
     assert guard["learner"] == "b" and guard["norm"] > margin * guard["median"] and guard["bound"] == pytest.approx(
         margin * guard["median"])
-    assert events(actions, "merge") and torch.isfinite(core.theta[0][0]).all()
+    assert events(actions, Merged) and torch.isfinite(core.theta[0][0]).all()
     change = torch.linalg.vector_norm(core.theta[0][0] - before).item()
     assert change <= guard["bound"] * 1.01  # the weighted mean of two contributions within the bound
 
@@ -146,7 +147,7 @@ def test_guard_allows_for_the_steps_behind_a_send(steps: int, clipped: bool) -> 
     norm = 100 * torch.linalg.vector_norm(torch.full((N,), 0.01)).item()
     big = torch.full((N,), 0.01) * 100
     actions = core.handle(contrib("b", big, base=core.versions[0], step=step + steps, steps=steps), 10.0)
-    guards = events(actions, "guard")
+    guards = events(actions, Guarded)
     assert bool(guards) == clipped, guards
     if clipped:
         assert guards[0]["c_steps"] == 8 and guards[0]["usual_steps"] == 8 and guards[0]["norm"] == pytest.approx(norm)
@@ -160,8 +161,8 @@ def test_guard_allows_for_a_base_versions_behind() -> None:
     median = sorted(core.norms[0])[len(core.norms[0]) // 2]
     big = torch.full((N,), 1.0)
     big *= 45 * median / torch.linalg.vector_norm(big).item()  # 45x: over 30, under 30 x 2
-    assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), "guard")
-    assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), "guard")
+    assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), Guarded)
+    assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), Guarded)
 
 
 def test_guard_allowance_for_claimed_steps_is_capped() -> None:
@@ -173,7 +174,7 @@ def test_guard_allowance_for_claimed_steps_is_capped() -> None:
     step = _honest_rounds(core, 4)
     bad = torch.full((N,), 1e3)
     actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8, steps=10**6), 10.0)
-    (guard,) = events(actions, "guard")
+    (guard,) = events(actions, Guarded)
     assert guard["bound"] == pytest.approx(core.config.syncer.norm_guard * GUARD_STEPS_CAP * guard["median"])
 
 
@@ -230,13 +231,13 @@ def test_guard_cannot_be_ratcheted_by_bursts_from_one_learner(rounds: str) -> No
 
     guards: list[dict] = []
     for burst in range(1, 8):
-        guards += events(b_sends(8.0**burst, 40, 10.0 + burst), "guard")
+        guards += events(b_sends(8.0**burst, 40, 10.0 + burst), Guarded)
         if rounds == "round_per_burst":
-            assert events(close_round(10.5 + burst), "merge")
+            assert events(close_round(10.5 + burst), Merged)
             step += 8
     final = b_sends(1e6, 1, 20.0)
-    assert events(close_round(20.5), "merge")
-    (last,) = events(final, "guard")
+    assert events(close_round(20.5), Merged)
+    (last,) = events(final, Guarded)
     assert last["learner"] == "b" and last["norm"] == pytest.approx(1e6 * _norm_of(usual))
     # The scale is still the honest sends' (norm ~0.02), not b's.
     assert last["median"] <= 2 * _norm_of(usual) and last["bound"] == pytest.approx(30 * last["median"]), last
@@ -263,7 +264,7 @@ def test_one_learner_adds_at_most_one_norm_per_merge() -> None:
     core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.0)
     core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0] - 1, step=step + 4, steps=4), 11.0)
     actions = core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.5)
-    assert events(actions, "merge") and len(core.norms[0]) == n + 4
+    assert events(actions, Merged) and len(core.norms[0]) == n + 4
 
 
 def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
@@ -283,7 +284,7 @@ def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
         step += 8
         just_under = torch.full((N,), 1.0) * (0.99 * 30 * scales[-1] / _norm_of(torch.ones(N)))
         actions = core.handle(contrib("a", just_under, base=core.versions[0], step=step), 10.0 + r)
-        assert not events(actions, "guard") and events(actions, "merge")
+        assert not events(actions, Guarded) and events(actions, Merged)
         scales.append(core.norm_scale[0])  # type: ignore[arg-type]
     growth = [b / a for a, b in zip(scales, scales[1:])]
     assert max(growth) <= GUARD_GROWTH * (1 + 1e-12) and scales[-1] > scales[0]
@@ -302,18 +303,18 @@ def test_honest_norms_growing_slowly_are_never_clipped() -> None:
         for who in ("a", "b"):
             noise = 1 + 0.2 * torch.rand(N, generator=g)
             clipped += events(core.handle(contrib(who, 0.01 * 1.25**r * noise, base=core.versions[0], step=step),
-                                          float(r)), "guard")
+                                          float(r)), Guarded)
     assert clipped == [] and core.versions[0] == 60
 
 
 def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:
     core = make_core(learners=("a",))
     # The very first contributions set the scale: no guard yet, however large.
-    assert not events(core.handle(contrib("a", torch.full((N,), 1e6)), 0.0), "guard")
+    assert not events(core.handle(contrib("a", torch.full((N,), 1e6)), 0.0), Guarded)
     off = make_core(learners=("a",), norm_guard=0.0)
     for i in range(8):
         off.handle(contrib("a", torch.full((N,), 0.01), base=off.versions[0], step=8 * (i + 1)), float(i))
-    assert not events(off.handle(contrib("a", torch.full((N,), 1e6), base=off.versions[0], step=80), 9.0), "guard")
+    assert not events(off.handle(contrib("a", torch.full((N,), 1e6), base=off.versions[0], step=80), 9.0), Guarded)
 
 
 def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,20 +337,20 @@ def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) 
     (hub,) = hubs
     merges = hub.merges()
     assert len(merges) >= 10
-    assert [r for r in hub.events if r["event"] == "guard"] == []
+    assert [r for r in hub.records if isinstance(r, Guarded)] == []
 
 
 # ------------------------------------------------------------------ 3: replays (core)
 def test_core_refuses_a_replayed_or_older_sequence_number() -> None:
     core = make_core(learners=("a",))
     one = contrib("a", torch.full((N,), 0.01), session=7, seq=1)
-    assert events(core.handle(one, 0.0), "merge")
-    (rej,) = events(core.handle(one, 1.0), "reject")
+    assert events(core.handle(one, 0.0), Merged)
+    (rej,) = events(core.handle(one, 1.0), Rejected)
     assert "replay" in rej["reason"]
     # A new session (the learner process restarted) starts its own numbering.
     fresh = contrib("a", torch.full((N,), 0.01), base=1, step=4, session=8, seq=1)
-    assert events(core.handle(fresh, 2.0), "merge")
-    (old,) = events(core.handle(one, 3.0), "reject")  # the first session's message, replayed
+    assert events(core.handle(fresh, 2.0), Merged)
+    (old,) = events(core.handle(one, 3.0), Rejected)  # the first session's message, replayed
     assert "earlier session" in old["reason"]
     assert core.versions[0] == 2
 
@@ -361,22 +362,22 @@ def test_a_session_that_another_one_replaced_goes_on_where_it_left_off() -> None
     core = make_core(learners=("a",))
     for seq in (1, 2, 3):
         assert events(core.handle(contrib("a", torch.full((N,), 0.01), base=seq - 1, step=8 * seq, session=7,
-                                          seq=seq), float(seq)), "merge")
-    assert events(core.handle(contrib("a", torch.full((N,), 0.01), base=3, step=8, session=9, seq=1), 4.0), "merge")
+                                          seq=seq), float(seq)), Merged)
+    assert events(core.handle(contrib("a", torch.full((N,), 0.01), base=3, step=8, session=9, seq=1), 4.0), Merged)
     back = contrib("a", torch.full((N,), 0.01), base=4, step=32, session=7, seq=4)
-    assert events(core.handle(back, 5.0), "merge"), "the returning session was locked out"
-    (again,) = events(core.handle(back, 6.0), "reject")
+    assert events(core.handle(back, 5.0), Merged), "the returning session was locked out"
+    (again,) = events(core.handle(back, 6.0), Rejected)
     assert "replay" in again["reason"]
     (old,) = events(core.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=1), 7.0),
-                    "reject")
+                    Rejected)
     assert "earlier session" in old["reason"]
     restored = make_core(learners=("a",))
     restored.load_state_dict(*core.state_dict())
     (kept,) = events(restored.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=1), 8.0),
-                     "reject")
+                     Rejected)
     assert "earlier session" in kept["reason"], "a checkpoint forgot the earlier session's last seq"
     assert events(restored.handle(contrib("a", torch.full((N,), 0.01), base=5, step=8, session=9, seq=2), 9.0),
-                  "merge")
+                  Merged)
 
 
 # ------------------------------------------------------------------ live syncer, raw ZeroMQ client
@@ -590,18 +591,18 @@ def test_epoch_lineage_across_two_crashes() -> None:
 
     one = run(11, None)
     for v in range(2):
-        assert events(step(one, v, 11), "merge")
+        assert events(step(one, v, 11), Merged)
     ckpt1 = one.state_dict()
-    assert events(step(one, 2, 11), "merge") and one.versions[0] == 3  # lost in the crash
+    assert events(step(one, 2, 11), Merged) and one.versions[0] == 3  # lost in the crash
     two = run(22, ckpt1)
     for v in range(2, 4):
-        assert events(step(two, v, 22), "merge")
+        assert events(step(two, v, 22), Merged)
     ckpt2 = two.state_dict()
     three = run(33, ckpt2)
     assert three.lineage == [(11, [2]), (22, [4])]
     for epoch, base, sound in [(11, 2, True), (11, 3, False), (22, 4, True), (22, 5, False), (44, 1, False)]:
         acts = step(three, base, epoch)
-        rejected = events(acts, "reject")
+        rejected = events(acts, Rejected)
         resets = [a for a in acts if isinstance(a, SendUpdate) and a.reset]
         if sound:
             assert not rejected and not resets, (epoch, base, rejected)

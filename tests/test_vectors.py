@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Merged
 from rackmend.core import (
     Contribution,
     ContributionArrived,
@@ -65,7 +66,7 @@ def test_syncer_core_outer_steps_match_vectors(case: dict) -> None:
         for i in reversed(range(len(rnd["learners"]))):
             c = Contribution(rnd["learners"][i], 0, r, 10 * (r + 1), rnd["c_steps"][i], rnd["c_tokens"][i], 0.0,
                              (torch.tensor(rnd["deltas"][i], dtype=torch.float32),))
-            merges += [a for a in core.handle(ContributionArrived(c), now=float(r)) if getattr(a, "record", {}).get("event") == "merge"]
+            merges += [a for a in core.handle(ContributionArrived(c), now=float(r)) if isinstance(a, Merged)]
         assert len(merges) == 1, "the round must end once every listed learner is in"
         assert core.versions[0] == r + 1
         _close(core.theta[0][0], rnd["theta_after"])

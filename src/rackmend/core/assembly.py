@@ -19,19 +19,21 @@ data-parallel batches the mean is the learner's total); ``step_time`` is the lar
 and ``merge_gain`` are the lowest sending rank's (the core's replay guard follows that
 rank; the others' sequence numbers are checked here).
 
-Sans-I/O: time is passed in; records are returned, not written.
+Sans-I/O: time is passed in; records (``Incomplete``, ``PieceDropped``) are returned, not
+written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece
+from rackmend.core.records import Incomplete, PieceDropped
 
 __all__ = ["Assembler", "assemble"]
 
@@ -69,16 +71,17 @@ class Assembler:
         """Incomplete contributions dropped."""
 
     def add(self, c: Contribution, expected: frozenset[int], now: float
-            ) -> tuple[Contribution | None, list[dict[str, Any]]]:
+            ) -> tuple[Contribution | None, list[Incomplete | PieceDropped]]:
         """Take rank ``c.rank``'s pieces; ``expected``: the ranks that own pieces of the
         fragment. Returns the whole contribution once complete (else None) and records
         of what was dropped."""
         assert c.pieces is not None
-        key, records = (c.learner_id, c.fragment), []
+        key = (c.learner_id, c.fragment)
+        records: list[Incomplete | PieceDropped] = []
         seq_key = (c.learner_id, c.rank, c.fragment)
         last = self._seq.get(seq_key)
         if c.seq > 0 and last is not None and last[0] == c.session and c.seq <= last[1]:
-            return None, [self._record(now, "piece_dropped", c, reason=(
+            return None, [self._piece_dropped(now, c, reason=(
                 f"replay or older send: seq {c.seq} of session {c.session}, seq {last[1]} was taken already"))]
         # A rank sending in a new session is a new process (torchrun relaunched the rack);
         # its step count starts again, so pieces of a later step waiting here are from
@@ -92,7 +95,7 @@ class Assembler:
                                                 f"pieces of step {part.step} were sent before it and cannot complete"))
             part = None
         if part is not None and c.step < part.step:
-            return None, [self._record(now, "piece_dropped", c, reason=(
+            return None, [self._piece_dropped(now, c, reason=(
                 f"rank {c.rank}'s piece of step {c.step} arrived after pieces of step {part.step}"))]
         if part is not None and c.step > part.step:
             records.append(self._drop(key, now, f"superseded: rank {c.rank} sent step {c.step} before the "
@@ -101,7 +104,7 @@ class Assembler:
         if part is None:
             part = self._partial[key] = _Partial(c.step, expected, {}, now)
         if c.rank in part.parts:
-            records.append(self._record(now, "piece_dropped", c, reason=f"rank {c.rank} sent step {c.step} twice"))
+            records.append(self._piece_dropped(now, c, reason=f"rank {c.rank} sent step {c.step} twice"))
             return None, records
         first = next(iter(part.parts.values()), None)
         if first is not None:
@@ -118,27 +121,28 @@ class Assembler:
         del self._partial[key]
         return self._whole(part), records
 
-    def expire(self, now: float, bound: float) -> list[dict[str, Any]]:
+    def expire(self, now: float, bound: float) -> list[Incomplete]:
         """Drop what has waited longer than ``bound`` seconds for its missing pieces."""
         late = [key for key, part in self._partial.items() if now - part.started > bound]
         return [self._drop(key, now, f"incomplete after {bound:g}s (a rank died, restarted or is cut off)")
                 for key in late]
 
-    def forget(self, learner_id: str, now: float, reason: str) -> list[dict[str, Any]]:
+    def forget(self, learner_id: str, now: float, reason: str) -> list[Incomplete]:
         """Drop every partial contribution of a learner that left."""
         return [self._drop(key, now, reason) for key in list(self._partial) if key[0] == learner_id]
 
-    def _drop(self, key: tuple[str, int], now: float, reason: str) -> dict[str, Any]:
+    def _drop(self, key: tuple[str, int], now: float, reason: str) -> Incomplete:
         part = self._partial.pop(key)
         self.dropped += 1
-        return {"event": "incomplete", "t": now, "learner": key[0], "fragment": key[1], "step": part.step,
-                "ranks": sorted(part.parts), "missing": sorted(part.expected - set(part.parts)),
-                "reason": f"learner {key[0]}'s contribution to fragment {key[1]} (step {part.step}) dropped: {reason}"}
+        return Incomplete(t=now, learner=key[0], fragment=key[1], step=part.step, ranks=tuple(sorted(part.parts)),
+                          missing=tuple(sorted(part.expected - set(part.parts))),
+                          reason=f"learner {key[0]}'s contribution to fragment {key[1]} (step {part.step}) dropped: "
+                                 f"{reason}")
 
     @staticmethod
-    def _record(now: float, event: str, c: Contribution, reason: str) -> dict[str, Any]:
-        return {"event": event, "t": now, "learner": c.learner_id, "fragment": c.fragment, "rank": c.rank,
-                "step": c.step, "reason": f"learner {c.learner_id}: {reason}"}
+    def _piece_dropped(now: float, c: Contribution, reason: str) -> PieceDropped:
+        return PieceDropped(t=now, learner=c.learner_id, fragment=c.fragment, rank=c.rank, step=c.step,
+                            reason=f"learner {c.learner_id}: {reason}")
 
     def _whole(self, part: _Partial) -> Contribution:
         parts = [part.parts[r] for r in sorted(part.parts)]

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec
+from rackmend.core.records import SyncerRecord
 
 __all__ = ["Shard", "owner", "parse_shard"]
 
 _T = TypeVar("_T")
+_R = TypeVar("_R", bound=SyncerRecord)
 
 
 def owner(fragment: int, shards: int) -> int:
@@ -80,8 +82,10 @@ class Shard:
         """Of a per-fragment sequence in the model's numbering, this shard's entries."""
         return tuple(x for p, x in enumerate(per_fragment) if self.owns(p))
 
-    def record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """A log record of the shard's core with its ``fragment`` in the model's numbering."""
-        if self.whole or not isinstance(record.get("fragment"), int):
+    def record(self, record: _R) -> _R:
+        """A record of the shard's core (``rackmend.core.records``) with its ``fragment``
+        in the model's numbering (records without one are returned as they are)."""
+        fragment = getattr(record, "fragment", None)
+        if self.whole or not isinstance(fragment, int):
             return record
-        return {**record, "fragment": self.to_global(record["fragment"])}
+        return dataclasses.replace(record, fragment=self.to_global(fragment))

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Sequence, Union, get_args
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -51,6 +51,26 @@ from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.moments import MomentKey, MomentRounds
+from rackmend.core.records import (
+    REJECT_CODES,
+    WARNING_EVENTS,
+    Combined,
+    Dropped,
+    ExpectationSet,
+    FailSlowNoted,
+    FinalMerged,
+    Guarded,
+    Joined,
+    Left,
+    Merged,
+    MergeHarmful,
+    MomentsMerged,
+    RejectCode,
+    Rejected,
+    Superseded,
+    SyncerRecord,
+    TokenUnits,
+)
 
 __all__ = [
     "SyncerCore",
@@ -64,7 +84,21 @@ __all__ = [
     "MomentsArrived",
     "SendUpdate",
     "SendMomentUpdate",
-    "LogRecord",
+    "SyncerRecord",
+    "Joined",
+    "Left",
+    "ExpectationSet",
+    "Rejected",
+    "Superseded",
+    "Combined",
+    "Guarded",
+    "Merged",
+    "Dropped",
+    "MergeHarmful",
+    "TokenUnits",
+    "FinalMerged",
+    "MomentsMerged",
+    "FailSlowNoted",
     "Event",
     "Action",
     "Ema",
@@ -83,24 +117,6 @@ __all__ = [
     "GUARD_GROWTH",
     "RETIRED_SESSIONS",
 ]
-
-WARNING_EVENTS = frozenset({"token_units", "merge_harmful", "guard", "merge_dropped", "failslow_slow",
-                            "failslow_evict"})
-"""Log events that mean a run is probably wrong; drivers log them at WARNING level."""
-
-RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
-                     "non_finite", "replay", "norm_overflow", "moments_off", "negative"]
-"""Why a contribution was refused, as a fixed word (the ``code`` of a ``reject`` record,
-beside its ``reason`` sentence): what metrics count by, since a sentence names values.
-unknown_fragment, not_joined; layout (tensors unlike the fragment's); counters
-(negative or NaN) and bounds (beyond ``MAX_*``); epoch (based on a value of another
-syncer run); ahead (a base version the syncer never made); stale (more than
-``max_staleness`` versions behind); non_finite; replay (or an older send than one
-accepted); norm_overflow; moments_off (DES-LOC moments in a run without DES-LOC);
-negative (a negative second moment)."""
-
-REJECT_CODES: tuple[str, ...] = get_args(RejectCode)
-"""Every ``RejectCode``, in order."""
 
 TOKEN_UNITS_RATIO = 10.0
 """A learner whose tokens per step differ from the other learners' median by this factor
@@ -234,13 +250,6 @@ class SendUpdate:
 
 
 @dataclass(frozen=True)
-class LogRecord:
-    """One structured event for the JSONL log (``record['event']`` names it)."""
-
-    record: dict
-
-
-@dataclass(frozen=True)
 class SendMomentUpdate:
     """DES-LOC: send the averaged moments ``update`` to each learner in ``to``."""
 
@@ -248,10 +257,12 @@ class SendMomentUpdate:
     to: tuple[str, ...]
 
 
-Action = Union[SendUpdate, LogRecord, FailSlowAction, SendMomentUpdate]
-"""Fail-slow actions come with a ``failslow_*`` log record; a driver that only logs can
-ignore them (the core applied their effect on membership already), a network driver
-sends ``AdviseLearner`` reports to the learner."""
+Action = Union[SendUpdate, SyncerRecord, FailSlowAction, SendMomentUpdate]
+"""What ``handle`` returns. A ``SyncerRecord`` (``rackmend.core.records``: ``Merged``,
+``Rejected``, ...) is typed: drivers dispatch on its type, and ``to_record()`` gives its
+JSONL log line. Fail-slow actions come with a ``FailSlowNoted`` record; a driver that
+only logs can ignore them (the core applied their effect on membership already), a
+network driver sends ``AdviseLearner`` reports to the learner."""
 
 
 HARMFUL_STREAK = 3
@@ -498,7 +509,7 @@ class SyncerCore:
                 self._failslow_resumed.discard(event.learner_id)
             if m is not None:
                 m.connected, m.expected = False, False
-                actions.append(self._log(now, "leave", learner=event.learner_id, reason=event.reason))
+                actions.append(Left(t=now, learner=event.learner_id, reason=event.reason))
             if event.reason == "leave":
                 # Only a graceful leave: a learner declared silent may come back, adopt
                 # the value it missed while keeping its local progress, and send that
@@ -510,7 +521,7 @@ class SyncerCore:
             if m is not None and m.expected != event.expected:
                 m.expected = event.expected
                 actions.append(
-                    self._log(now, "expected", learner=event.learner_id, expected=event.expected, reason=event.reason)
+                    ExpectationSet(t=now, learner=event.learner_id, expected=event.expected, reason=event.reason)
                 )
             self._close_all_due(now, actions)
         elif isinstance(event, SyncTimed):
@@ -706,9 +717,6 @@ class SyncerCore:
             self.moments.load_state_dict(tensors, meta["moments"])
 
     # ------------------------------------------------------------------ internals
-    def _log(self, now: float, event: str, **fields: object) -> LogRecord:
-        return LogRecord({"event": event, "t": now, **fields})
-
     def _snapshot(self, p: int, delta: tuple[Encoded, ...] | None = None) -> Update:
         return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]), epoch=self.epoch, delta=delta)
 
@@ -739,15 +747,13 @@ class SyncerCore:
         m = self.members.setdefault(lid, _Member(connected=True, expected=True))
         # Only a learner flagged before a syncer restart is still slow here: not waited for.
         m.connected, m.expected = True, not (self.failslow is not None and self.failslow.is_slow(lid))
-        actions.append(self._log(now, "join", learner=lid, expected=m.expected))
+        actions.append(Joined(t=now, learner=lid, expected=m.expected))
         for upd in self.current:
             actions.append(SendUpdate(upd, (lid,)))
 
     def _reject(self, c: Contribution, now: float, code: RejectCode, reason: str, actions: list[Action]) -> None:
         self.rejected += 1
-        actions.append(
-            self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, code=code, reason=reason)
-        )
+        actions.append(Rejected(t=now, learner=c.learner_id, fragment=c.fragment, code=code, reason=reason))
 
     def _accept(self, c: Contribution, now: float, actions: list[Action]) -> int | None:
         p = c.fragment
@@ -807,14 +813,14 @@ class SyncerCore:
             rnd.pending[lid] = c
         elif c.step <= old.step and (c.step == old.step or _contains(old, c)):
             # A repeat, or an older send arriving late whose work the pending one holds.
-            actions.append(self._log(now, "superseded", learner=lid, fragment=p, step=c.step, by_step=old.step,
-                                     base_version=c.base_version, by_base_version=old.base_version))
+            actions.append(Superseded(t=now, learner=lid, fragment=p, step=c.step, by_step=old.step,
+                                      base_version=c.base_version, by_base_version=old.base_version))
             return p
         elif c.step > old.step and _contains(c, old):
             # Cumulative: the new send holds all of the old one's work, so replacing
             # loses nothing (older disjoint work in ``carried`` stays).
-            actions.append(self._log(now, "superseded", learner=lid, fragment=p, step=old.step, by_step=c.step,
-                                     base_version=old.base_version, by_base_version=c.base_version))
+            actions.append(Superseded(t=now, learner=lid, fragment=p, step=old.step, by_step=c.step,
+                                      base_version=old.base_version, by_base_version=c.base_version))
             rnd.pending[lid] = c
         else:
             # Disjoint work (the learner applied a merged value between the sends): both merge.
@@ -823,10 +829,10 @@ class SyncerCore:
             rnd.carried[lid] = older if prior is None else _combine(prior, older)
             rnd.carried_bytes[lid] = rnd.carried_bytes.get(lid, 0) + self._bytes_in(p, older)
             rnd.pending[lid] = newer
-            actions.append(self._log(
-                now, "combined", learner=lid, fragment=p, steps=[older.step, newer.step],
-                base_versions=[older.base_version, newer.base_version],
-                c_steps=[older.c_steps, newer.c_steps], c_tokens=[older.c_tokens, newer.c_tokens]))
+            actions.append(Combined(
+                t=now, learner=lid, fragment=p, steps=(older.step, newer.step),
+                base_versions=(older.base_version, newer.base_version),
+                c_steps=(older.c_steps, newer.c_steps), c_tokens=(older.c_tokens, newer.c_tokens)))
         if rnd.first_arrival is None and c.base_version == version:
             rnd.first_arrival = now
         if c.step_time > 0:
@@ -908,8 +914,8 @@ class SyncerCore:
                 scale = bound / norm
                 window = self.norms[c.fragment]
                 raw = sorted(window)[(len(window) - 1) // 2]
-                actions.append(self._log(
-                    now, "guard", learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
+                actions.append(Guarded(
+                    t=now, learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
                     c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
                             f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
@@ -981,8 +987,8 @@ class SyncerCore:
         if rate > 0 and median > 0 and max(rate / median, median / rate) < TOKEN_UNITS_RATIO:
             return
         self._units_warned.add(c.learner_id)
-        actions.append(self._log(
-            now, "token_units", learner=c.learner_id, tokens_per_step=rate, others_median=median,
+        actions.append(TokenUnits(
+            t=now, learner=c.learner_id, tokens_per_step=rate, others_median=median,
             reason=(f"learner {c.learner_id} reports {rate:g} tokens per step, the others a median of "
                     f"{median:g}: its merges weigh {'almost nothing' if rate < median else 'almost everything'} unless its "
                     "batches really are that different. Pass step(tokens=...) in the same unit on every rack "
@@ -1010,8 +1016,8 @@ class SyncerCore:
 
     def _final_merge(self, now: float, actions: list[Action]) -> None:
         pending = {p: sorted(rnd.pending) for p, rnd in enumerate(self.rounds) if rnd.pending}
-        actions.append(self._log(now, "final_merge", fragments=sorted(pending),
-                                 learners={str(p): ids for p, ids in pending.items()}))
+        actions.append(FinalMerged(t=now, fragments=tuple(sorted(pending)),
+                                   learners={str(p): tuple(ids) for p, ids in pending.items()}))
         for p in pending:
             self._merge(p, now, actions, cause="final")
         for key in self.moments.pending_keys():
@@ -1032,11 +1038,11 @@ class SyncerCore:
         if problem is not None:
             code, reason = problem
             self.rejected += 1
-            actions.append(self._log(now, "reject", learner=c.learner_id, fragment=c.fragment, kind=c.kind,
-                                     code=code, reason=reason))
+            actions.append(Rejected(t=now, learner=c.learner_id, fragment=c.fragment, kind=c.kind, code=code,
+                                    reason=reason))
             return
         for note in self.moments.accept(c, now):
-            actions.append(self._log(now, "superseded", **note))
+            actions.append(Superseded(t=now, **note))
         key = (c.fragment, c.kind)
         if self.moments.due(key, now, self.expected_learners(), self.grace):
             self._merge_moments(key, now, actions)
@@ -1078,22 +1084,22 @@ class SyncerCore:
     def _merge_moments(self, key: MomentKey, now: float, actions: list[Action]) -> None:
         merged = self.moments.merge(key, now)
         if merged is None:
-            actions.append(self._log(
-                now, "merge_dropped", fragment=key[0], kind=key[1], version=self.moments.versions[key],
+            actions.append(Dropped(
+                t=now, fragment=key[0], kind=key[1], version=self.moments.versions[key],
                 reason=(f"fragment {key[0]}: the mean of the {key[1]} moments is not finite; the round was dropped "
                         "and the learners keep their own")))
             return
         upd, fields = merged
         factor = "norm_guard" + ("^2" if key[1] == "exp_avg_sq" else "") + f"={self.config.syncer.norm_guard:g}"
         for lid, clip in fields["clipped"].items():
-            actions.append(self._log(
-                now, "guard", learner=lid, fragment=key[0], kind=key[1], version=upd.version, action="clipped", **clip,
+            actions.append(Guarded(
+                t=now, learner=lid, fragment=key[0], kind=key[1], version=upd.version, action="clipped", **clip,
                 reason=(f"learner {lid}'s {key[1]} moments for fragment {key[0]} have norm {clip['norm']:.4g}, more "
                         f"than {factor} x the lower median of this round's: clipped to {clip['bound']:.4g}. If "
                         "this names honest learners, raise SyncerConfig.norm_guard")))
         to = self.connected_learners()
         actions.append(SendMomentUpdate(upd, to))
-        actions.append(self._log(now, "moments", **fields, bytes_out=self.moments.update_nbytes(upd) * len(to)))
+        actions.append(MomentsMerged(t=now, **fields, bytes_out=self.moments.update_nbytes(upd) * len(to)))
 
     def _maybe_close(self, p: int, now: float, actions: list[Action]) -> None:
         """Quorum and early finish count only fresh contributions (based on the current
@@ -1198,15 +1204,14 @@ class SyncerCore:
         first = now if rnd.first_arrival is None else rnd.first_arrival
         actions.append(SendUpdate(self.current[p], to))
         actions.append(
-            self._log(
-                now,
-                "merge",
+            Merged(
+                t=now,
                 fragment=p,
                 round=round_index,
                 version=version,
-                merged=ids,
-                absent=sorted(expected - set(ids)),
-                stale=[c.learner_id for c in contribs if c.base_version < round_index],
+                merged=tuple(ids),
+                absent=tuple(sorted(expected - set(ids))),
+                stale=tuple(c.learner_id for c in contribs if c.base_version < round_index),
                 weights=dict(zip(ids, normalized_weights(raw, absent_weight))),
                 absent_share=_share(absent_weight, raw),
                 tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
@@ -1217,7 +1222,7 @@ class SyncerCore:
                 codecs={i: rnd.pending[i].encoded[0].codec if rnd.pending[i].encoded else "none" for i in ids},
                 bytes_in=sum(self._bytes_in(p, rnd.pending[i]) + rnd.carried_bytes.get(i, 0) for i in ids),
                 bytes_out=(spec.nbytes if delta is None else sum(e.nbytes() for e in delta)) * len(to),
-                **({} if cause is None else {"cause": cause}),
+                cause=cause,
             )
         )
         for lid, c in zip(ids, contribs):
@@ -1246,8 +1251,8 @@ class SyncerCore:
             rnd.carried.pop(lid, None)
             rnd.carried_bytes.pop(lid, None)
         self.rejected += len(ids)
-        actions.append(self._log(
-            now, "merge_dropped", fragment=p, dropped=ids, version=self.versions[p],
+        actions.append(Dropped(
+            t=now, fragment=p, dropped=tuple(ids), version=self.versions[p],
             reason=(f"fragment {p}: dropped the contributions of {', '.join(ids)}: {reason}; "
                     "the global value was not changed by them")))
 
@@ -1260,8 +1265,8 @@ class SyncerCore:
         self.merge_gain[p] = median = values[len(values) // 2]
         self._harmful_streak[p] = self._harmful_streak[p] + 1 if median < -HARMFUL_LOSS else 0
         if self._harmful_streak[p] == HARMFUL_STREAK:
-            actions.append(self._log(
-                now, "merge_harmful", fragment=p, streak=HARMFUL_STREAK, median_gain=median,
+            actions.append(MergeHarmful(
+                t=now, fragment=p, streak=HARMFUL_STREAK, median_gain=median,
                 reason=(f"fragment {p}: the last {HARMFUL_STREAK} merged values each made the learners' probe "
                         f"loss more than {HARMFUL_LOSS:.0%} worse (median gain {median:+.1%}); the outer step is "
                         "probably too large: lower outer_lr or the outer momentum (docs/tuning.md)")))
@@ -1283,21 +1288,9 @@ class SyncerCore:
             elif isinstance(act, RestoreLearner) and m is not None and m.connected and not m.expected:
                 m.expected, changed = True, True
             actions.append(act)
-            actions.append(self._log(now, _FAILSLOW_EVENTS[type(act)], learner=r.learner, rank=r.rank,
-                                     state=r.state, ratio=r.ratio, fleet_ratio=r.fleet_ratio,
-                                     baseline_s=r.baseline_s, steps=r.steps, cost_s=r.cost_s,
-                                     reason=_failslow_reason(act)))
+            actions.append(FailSlowNoted(t=now, action=act, reason=_failslow_reason(act)))
         if changed:
             self._close_all_due(now, actions)  # rounds that waited only for it can end now
-
-
-_FAILSLOW_EVENTS: dict[type, str] = {
-    FailSlowBlip: "failslow_blip",
-    StopExpecting: "failslow_slow",
-    AdviseLearner: "failslow_advise",
-    MarkForEviction: "failslow_evict",
-    RestoreLearner: "failslow_restore",
-}
 
 
 def _failslow_reason(act: FailSlowAction) -> str:

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from rackmend.config import LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Guarded, Merged
 from rackmend.learner.optimizer import RackmendOptimizer
 from rackmend.transport.inprocess import InProcessSyncer
 from rackmend.workloads import GPT, ByteCorpus, GPTConfig, evaluate
@@ -167,5 +168,5 @@ def train_arm(name: str, config: RackmendConfig, s: DemoSettings, corpus: ByteCo
     if errors:
         raise errors[0]
     points.append((s.learners * s.steps * tokens_per_step, wall, global_loss()))
-    return ArmResult(name, points, wall, compute, blocked, sum(sent.values()), len(hub.merges()),
-                     sum(1 for e in hub.events if e["event"] == "guard"))
+    return ArmResult(name, points, wall, compute, blocked, sum(sent.values()),
+                     sum(isinstance(r, Merged) for r in hub.records), sum(isinstance(r, Guarded) for r in hub.records))

@@ -4,7 +4,7 @@
 ``SyncerMetrics`` owns one ``CollectorRegistry`` per syncer (never the process-wide
 default one, so several syncers in one process keep their numbers apart) and is fed by
 the service driver (``rackmend.service.syncer``) from the core's typed actions and
-structured log records and from what the driver itself measures (bytes on the socket,
+records (``rackmend.core.records``) and from what the driver itself measures (bytes on the socket,
 joins and leaves, checkpoints). Nothing here reads a log line back or parses a reason
 sentence: rejections are counted by the core's fixed ``RejectCode`` words and the
 service's fixed event names.
@@ -35,7 +35,7 @@ from rackmend.core.failslow import (
     RestoreLearner,
     StopExpecting,
 )
-from rackmend.core.syncer import REJECT_CODES
+from rackmend.core.records import REJECT_CODES, Dropped, Incomplete, Merged, Rejected, Superseded, SyncerRecord
 
 __all__ = ["SyncerMetrics", "MAX_LEARNER_LABELS", "OTHER_LEARNERS", "UNJOINED", "MESSAGE_REFUSALS",
            "FAILSLOW_STATES", "is_loopback_host"]
@@ -171,32 +171,33 @@ class SyncerMetrics:
         self._learners.add(lid)
         return lid
 
-    def record(self, record: dict[str, Any]) -> None:
-        """One of the core's log records (others than those counted here are ignored)."""
-        event = record["event"]
-        if event == "merge":
+    def record(self, record: SyncerRecord) -> None:
+        """One of the core's records, its fragment in the model's numbering (types other
+        than those counted here are ignored)."""
+        if isinstance(record, Merged):
             self._merge(record)
-        elif event == "reject":
-            self.rejected.labels(record["code"]).inc()
-        elif event == "merge_dropped":
-            self.rejected.labels("merge_dropped").inc(len(record["dropped"]))
-        elif event == "incomplete":
+        elif isinstance(record, Rejected):
+            self.rejected.labels(record.code).inc()
+        elif isinstance(record, Dropped):
+            # A dropped moments round (``dropped`` None) lost no contribution's work.
+            self.rejected.labels("merge_dropped").inc(len(record.dropped or ()))
+        elif isinstance(record, Incomplete):
             self.rejected.labels("incomplete").inc()
-        elif event == "superseded":
+        elif isinstance(record, Superseded):
             self.late.inc()
 
-    def _merge(self, m: dict[str, Any]) -> None:
-        fragment = str(m["fragment"])
+    def _merge(self, m: Merged) -> None:
+        fragment = str(m.fragment)
         self.merges.labels(fragment).inc()
-        self.fragment_version.labels(fragment).set(m["version"])
-        self.participants.observe(len(m["merged"]))
-        self.stale.inc(len(m["stale"]))
-        self.round_seconds.observe(m["wait_s"])
-        if m["quorum_s"] is not None:
-            self.quorum_seconds.observe(m["quorum_s"])
-            self.grace_seconds.observe(max(0.0, m["wait_s"] - m["quorum_s"]))
-        if m["grace_s"] is not None:
-            self.grace_window.set(m["grace_s"])
+        self.fragment_version.labels(fragment).set(m.version)
+        self.participants.observe(len(m.merged))
+        self.stale.inc(len(m.stale))
+        self.round_seconds.observe(m.wait_s)
+        if m.quorum_s is not None:
+            self.quorum_seconds.observe(m.quorum_s)
+            self.grace_seconds.observe(max(0.0, m.wait_s - m.quorum_s))
+        if m.grace_s is not None:
+            self.grace_window.set(m.grace_s)
 
     def versions(self, versions: Mapping[int, int]) -> None:
         """The fragments' versions (fragment in the model's numbering: a syncer shard's

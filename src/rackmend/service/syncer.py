@@ -45,20 +45,20 @@ from rackmend.core.settings import (LearnerSettings, Mismatch, SyncerSettings, p
                                     syncer_mismatch)
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.shards import owner as owner_shard
+from rackmend.core.records import Incomplete, Joined, Left, Merged, PieceDropped, Rejected, SyncerRecord
 from rackmend.core.syncer import (
+    Action,
     ContributionArrived,
     Event,
     FinalMerge,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
     MomentsArrived,
     SendMomentUpdate,
     SendUpdate,
     SyncerCore,
     SyncTimed,
     Tick,
-    WARNING_EVENTS,
 )
 from rackmend.service.checkpoint import load_checkpoint, remove_stale_temps, save_checkpoint
 from rackmend.service.identity import EventLimiter, load_key_ids
@@ -69,6 +69,19 @@ from rackmend.transport.outbox import SHORT_HWM, Outbox
 __all__ = ["ServiceConfig", "SyncerService"]
 
 log = logging.getLogger("rackmend.syncer")
+
+_SERVICE_LOG: dict[str, tuple[int, str]] = {
+    "auth_denied": (logging.WARNING, "auth denied: "),
+    "identity_refused": (logging.WARNING, ""),
+    "takeover": (logging.WARNING, ""),
+    "bad_message": (logging.INFO, ""),
+    "unknown_peer": (logging.INFO, ""),
+    "silent": (logging.INFO, ""),
+    "suppressed": (logging.INFO, ""),
+}
+"""How loud the service's own records are in the Python log (level, and a prefix for a
+warning's reason); others go to the JSONL log only. The core's records carry their
+level (``SyncerRecord.level``)."""
 
 STRANGER_MAX_BYTES = wire.MAX_HEADER_BYTES + (64 << 10)
 """Largest message taken from a connection that has not joined (a hello is one header
@@ -675,9 +688,7 @@ class SyncerService:
         p = contribution.fragment
         stats.contributions += 1
         lag = self.core.versions[p] - contribution.base_version  # before the merge it may close
-        refused = stats.rejected
-        self._drive(ContributionArrived(contribution))
-        if stats.rejected > refused:
+        if any(isinstance(a, Rejected) for a in self._drive(ContributionArrived(contribution))):
             return  # a refused contribution's step time and base say nothing true about the learner
         stats.step, stats.step_time, stats.last_contribution = contribution.step, contribution.step_time, self.clock()
         stats.based[self.shard.to_global(p)] = (contribution.base_version, lag)
@@ -756,17 +767,17 @@ class SyncerService:
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
         for action in self.core.handle(LearnerJoined(lid), self.clock()):
-            if isinstance(action, LogRecord):
+            if isinstance(action, Joined):
                 # The core knows learners, not ranks: each rank of a multi-rank learner
-                # joins, so its join says which.
-                record = self.shard.record(action.record)
-                if record["event"] == "join":
-                    record = {**record, "rank": rank, "world": hello.world}
-                    # Per connection: a hello storm (ids are first-come without --learners)
-                    # costs a bounded number of log lines, the rest counted in 'suppressed'.
-                    if not self._limiter.allow(("join", ident), self.clock(), peer=ident.hex()):
-                        continue
-                self._record(record)
+                # joins, so its join says which. Per connection: a hello storm (ids are
+                # first-come without --learners) costs a bounded number of log lines, the
+                # rest counted in 'suppressed'.
+                if self._limiter.allow(("join", ident), self.clock(), peer=ident.hex()):
+                    line = {**action.to_record(), "rank": rank, "world": hello.world}
+                    self._say(line, action.level)
+                    self._record(line)
+            elif isinstance(action, SyncerRecord):
+                self._log_record(self.shard.record(action))
         for upd in self.core.current:
             if peer.owns(upd.fragment):
                 self._send_update(ident, upd, self._update_frames(peer, upd, reset=True), reset=True)
@@ -847,10 +858,10 @@ class SyncerService:
         self._assembly_records(records)
         return whole
 
-    def _assembly_records(self, records: list[dict[str, Any]]) -> None:
+    def _assembly_records(self, records: list[Incomplete] | list[Incomplete | PieceDropped]) -> None:
         for record in map(self.shard.record, records):
             self.metrics.record(record)  # an incomplete contribution counts as rejected
-            self._record(record)
+            self._log_record(record)
 
     def _expire_pieces(self) -> None:
         """Drop partial contributions that waited too long for a rank, and hellos of
@@ -1042,15 +1053,17 @@ class SyncerService:
             self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
                         zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
-    def _drive(self, event: Event, ident: bytes | None = None) -> None:
-        """Feed ``event`` to the core and carry out its actions. ``ident``: the connection
-        whose message caused it, whose ``leave`` records are rate-limited per connection."""
+    def _drive(self, event: Event, ident: bytes | None = None) -> list[Action]:
+        """Feed ``event`` to the core and carry out its actions; returns them (records in
+        the core's fragment numbering). ``ident``: the connection whose message caused
+        it, whose ``leave`` records are rate-limited per connection."""
         assert self.core is not None
         t0 = self.clock()
         merged: list[int] = []
         if isinstance(event, LearnerLeft):
             self.metrics.left(event.learner_id)
-        for action in self.core.handle(event, t0):
+        actions = self.core.handle(event, t0)
+        for action in actions:
             if isinstance(action, SendUpdate):
                 frames = None  # shared by every peer that receives the whole fragment
                 for ident, peer in self.peers.items():
@@ -1062,29 +1075,30 @@ class SyncerService:
                                 self._out(action.update), reset=action.reset,
                                 syncer=SyncerSettings.from_config(self.config))
                         self._send_update(ident, action.update, mine, reset=action.reset)
-            elif isinstance(action, LogRecord):
-                record = self.shard.record(action.record)  # the model's fragment numbers from here on
+            elif isinstance(action, SyncerRecord):
+                record = self.shard.record(action)  # the model's fragment numbers from here on
                 self.metrics.record(record)  # before the log's rate limit: metrics count every one
-                if record["event"] == "reject":
-                    logged = self._limiter.allow(("reject", record["learner"]), t0, learner=record["learner"])
-                elif record["event"] == "leave" and ident is not None:
+                if isinstance(record, Rejected):
+                    logged = self._limiter.allow(("reject", record.learner), t0, learner=record.learner)
+                elif isinstance(record, Left) and ident is not None:
                     logged = self._limiter.allow(("leave", ident), t0, peer=ident.hex())
                 else:
                     logged = True
                 if logged:
-                    self._record(record)
-                if record["event"] == "reject":
-                    if record["learner"] in self._stats:
-                        self._stats[record["learner"]].rejected += 1
-                    reason = f"contribution rejected: {record['reason']}"
-                    for rank_ident in self._ranks_of(record["learner"]):
+                    self._log_record(record)
+                if isinstance(record, Rejected):
+                    if record.learner in self._stats:
+                        self._stats[record.learner].rejected += 1
+                    reason = f"contribution rejected: {record.reason}"
+                    for rank_ident in self._ranks_of(record.learner):
                         self._reply_error(rank_ident, "rejected", reason)
-                if record["event"] == "merge":
-                    merged.append(action.record["fragment"])  # the core's numbering: it is told the sync time
-                    self._last_merge[record["fragment"]] = {
-                        "t": record["t"], "version": record["version"], "merged": list(record["merged"])}
+                elif isinstance(record, Merged):
+                    assert isinstance(action, Merged)
+                    merged.append(action.fragment)  # the core's numbering: it is told the sync time
+                    self._last_merge[record.fragment] = {
+                        "t": record.t, "version": record.version, "merged": list(record.merged)}
                     self._progress.merges += 1
-                    self._progress.learners.update(record["merged"])
+                    self._progress.learners.update(record.merged)
             elif isinstance(action, SendMomentUpdate):
                 frames = None
                 for ident, peer in self.peers.items():
@@ -1107,6 +1121,7 @@ class SyncerService:
             self.merges += len(merged)
             if self.merges // self.service.checkpoint_every > before:
                 self.checkpoint()
+        return actions
 
     def _versions_to_metrics(self) -> None:
         assert self.core is not None
@@ -1374,7 +1389,16 @@ class SyncerService:
         return {} if self.shard.whole else {"shard": str(self.shard)}
 
     def _event(self, event: str, **fields: Any) -> None:
-        self._record({"event": event, "t": self.clock(), **fields})
+        """One of the service's own records (the core's are ``SyncerRecord``s)."""
+        record = {"event": event, "t": self.clock(), **fields}
+        self._say(record, *_SERVICE_LOG.get(event, (logging.NOTSET, "")))
+        self._record(record)
+
+    def _log_record(self, record: SyncerRecord) -> None:
+        """One of the core's records (its fragment already in the model's numbering)."""
+        line = record.to_record()
+        self._say(line, record.level)
+        self._record(line)
 
     def _report_progress(self) -> None:
         """The progress line at INFO every ``progress_every`` seconds (see there)."""
@@ -1390,15 +1414,18 @@ class SyncerService:
             log.info("progress: no merge in the last %.1f s; connected: %s", now - pr.at, ", ".join(connected))
         self._progress = _Progress(at=now)
 
-    def _record(self, record: dict) -> None:
-        if record["event"] == "auth_denied":
-            log.warning("auth denied: %s", record["reason"])
-        elif record["event"] in WARNING_EVENTS:
-            log.warning("%s", record.get("reason", record))
-        elif record["event"] in ("identity_refused", "takeover", "incomplete", "piece_dropped"):
-            log.warning("%s", record.get("reason", record))
-        elif record["event"] in ("reject", "bad_message", "unknown_peer", "silent", "leave", "join", "suppressed"):
+    @staticmethod
+    def _say(record: dict, level: int, prefix: str = "") -> None:
+        """Log ``record`` to the Python log at ``level``: WARNING and above as ``prefix``
+        and its reason sentence, INFO as the whole record, lower levels not (the JSONL
+        log, ``_record``, has every record)."""
+        if level >= logging.WARNING:
+            log.warning("%s%s", prefix, record.get("reason", record))
+        elif level >= logging.INFO:
             log.info("%s", record)
+
+    def _record(self, record: dict) -> None:
+        """Write ``record`` to the JSONL log (tests wrap this to watch the log)."""
         with self._log_lock:
             if self._log_file:
                 self._log_file.write(json.dumps(record) + "\n")

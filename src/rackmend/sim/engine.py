@@ -53,12 +53,11 @@ from rackmend.core.syncer import (
     Event,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
     SendUpdate,
     SyncerCore,
     Tick,
-    WARNING_EVENTS,
 )
+from rackmend.core.records import Dropped, Merged, Rejected, SyncerRecord
 from rackmend.sim.config import SimConfig
 
 __all__ = ["SimulationError", "Goodput", "LearnerReport", "SimReport", "Simulation", "simulate"]
@@ -161,7 +160,7 @@ class SimReport:
     initial_loss: float
     """The global objective at the start value."""
     warnings: tuple[str, ...]
-    """The syncer's warning records (``WARNING_EVENTS``) and learner warnings, in order."""
+    """The syncer's records at WARNING level and learner warnings, in order."""
     goodput: Goodput | None = None
     """Where the chip-time went (``Goodput``)."""
 
@@ -281,11 +280,9 @@ class Simulation:
         """(learner, fragment) -> chip-seconds of work in its contributions to the fragment
         that arrived since they last went into a merge (lost if dropped)."""
         self._by_id = {lr.lid: lr for lr in self.learners}
-        self._arriving: tuple[str, int] | None = None
-        self._refused = False
         self.warnings: list[str] = []
-        self.syncer_records: list[dict] = []
-        """Every record the syncer core logged, in order."""
+        self.syncer_records: list[SyncerRecord] = []
+        """Every record the syncer core returned, in order (``rackmend.core.records``)."""
         # The toy model in closed form: k gradient steps on 0.5*h*(x-c)^2 take x to
         # c + (1 - lr*h)^k (x - c), so a learner's value is computed only when something
         # reads or changes it (a send, an apply), not at each of its steps.
@@ -658,12 +655,15 @@ class Simulation:
         self._plan(lr)
 
     # ---------------------------------------------------------------- syncer side
-    def _drive(self, event: Event) -> None:
-        self._syncer_actions(self.syncer.handle(event, self.now))
+    def _drive(self, event: Event) -> list[Action]:
+        """Feed ``event`` to the syncer core and carry out its actions; returns them."""
+        actions = self.syncer.handle(event, self.now)
+        self._syncer_actions(actions)
         deadline = self.syncer.next_deadline()
         if deadline is not None and deadline not in self._ticks:
             self._ticks.add(deadline)
             self._push(max(deadline, self.now), _TICK, (deadline,))
+        return actions
 
     def _on_tick(self, deadline: float) -> None:
         self._ticks.discard(deadline)
@@ -682,10 +682,10 @@ class Simulation:
         prior = self._bases.get(key)
         self._bases[key] = c.base_version if prior is None else min(prior, c.base_version)
         self._pending_cs[key] = self._pending_cs.get(key, 0.0) + work
-        self._arriving, self._refused = key, False
-        self._drive(ContributionArrived(c))
-        self._arriving = None
-        if self._refused:
+        actions = self._drive(ContributionArrived(c))
+        # The core refuses a contribution with one ``Rejected`` (for it: the event has
+        # no other contribution to refuse).
+        if any(isinstance(a, Rejected) for a in actions):
             # Refused: its base is no merged work's (a refusal never merges in the same call),
             # and its work is lost.
             if prior is None:
@@ -708,36 +708,33 @@ class Simulation:
                     spec = self.config.racks[lr.index]
                     lr.down_free = self._transfer(lr.down_free, nbytes, spec.downlink_bandwidth)
                     self._push(lr.down_free + spec.downlink_latency, _DELIVER, (lr.index, lr.life, upd))
-            elif isinstance(a, LogRecord):
-                self._record(a.record, by_id)
+            elif isinstance(a, SyncerRecord):
+                self._record(a, by_id)
             # Fail-slow actions: the core applied their effect on membership already; their
             # advice to the learner is a log line, recorded with the warnings.
 
-    def _record(self, rec: dict, by_id: dict[str, _Learner]) -> None:
+    def _record(self, rec: SyncerRecord, by_id: dict[str, _Learner]) -> None:
         self.syncer_records.append(rec)
-        event = rec["event"]
-        if event == "merge":
-            p = rec["fragment"]
+        if isinstance(rec, Merged):
+            p = rec.fragment
             self._merge_times[p].append(self.now)
-            stale = set(rec["stale"])
-            for lid in rec["merged"]:
+            stale = set(rec.stale)
+            for lid in rec.merged:
                 lr = by_id[lid]
                 lr.merged += 1
                 lr.stale += lid in stale
-                base = self._bases.pop((lid, p), rec["round"])
-                self._lags.append(rec["round"] - base)
+                base = self._bases.pop((lid, p), rec.round)
+                self._lags.append(rec.round - base)
                 self._pending_cs.pop((lid, p), None)
-        elif event == "merge_dropped":
-            p = rec["fragment"]
-            for lid in rec["dropped"]:
+        elif isinstance(rec, Dropped):
+            p = rec.fragment
+            for lid in rec.dropped or ():  # the simulator runs no DES-LOC moments (``dropped`` None)
                 by_id[lid].acct["lost"] += self._pending_cs.pop((lid, p), 0.0)
                 self._bases.pop((lid, p), None)
-        elif event == "reject" and rec.get("learner") in by_id:
-            by_id[rec["learner"]].rejected += 1
-            if (rec["learner"], rec.get("fragment")) == self._arriving:
-                self._refused = True
-        if event in WARNING_EVENTS:
-            self.warnings.append(f"t={self.now:g} syncer {event}: {rec.get('reason', rec)}")
+        elif isinstance(rec, Rejected) and rec.learner in by_id:
+            by_id[rec.learner].rejected += 1
+        if rec.level >= logging.WARNING:
+            self.warnings.append(f"t={self.now:g} syncer {rec.event}: {getattr(rec, 'reason', rec.to_record())}")
 
     # ---------------------------------------------------------------- faults
     def _die(self, lr: _Learner) -> None:

@@ -30,14 +30,14 @@ from rackmend.core.syncer import (
     FinalMerge,
     LearnerJoined,
     LearnerLeft,
-    LogRecord,
+    Merged,
     MomentsArrived,
     SendMomentUpdate,
     SendUpdate,
     SyncerCore,
+    SyncerRecord,
     SyncTimed,
     Tick,
-    WARNING_EVENTS,
 )
 from rackmend.transport.base import QueueLink, TransportError
 
@@ -62,8 +62,9 @@ class InProcessSyncer:
     ) -> None:
         self.core = SyncerCore(config, fragments, initial)
         self.clock = clock
-        self.events: list[dict] = []
-        """Every logged record, in order (also written to ``log_path`` as JSONL)."""
+        self.records: list[SyncerRecord] = []
+        """Every record the core returned, in order (typed: ``rackmend.core.records``; also
+        written to ``log_path`` as JSONL, and as dicts in ``events``)."""
         self._log_file = open(log_path, "a", encoding="utf-8") if log_path else None
         self._inbox: "queue.Queue[Event | None]" = queue.Queue()
         self._outboxes: dict[str, "queue.Queue[Update]"] = {}
@@ -104,8 +105,14 @@ class InProcessSyncer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def events(self) -> list[dict]:
+        """The log: every record as its JSONL line (``to_record()``), in order."""
+        return [r.to_record() for r in self.records]
+
     def merges(self) -> list[dict]:
-        return [e for e in self.events if e["event"] == "merge"]
+        """The ``merge`` lines of the log (``Merged`` records), in order."""
+        return [r.to_record() for r in self.records if isinstance(r, Merged)]
 
     # ------------------------------------------------------------------ internals
     def _register(self, learner_id: str, box: "queue.Queue[Update]",
@@ -154,14 +161,14 @@ class InProcessSyncer:
                         box = self._outboxes.get(lid)
                         if box is not None:
                             box.put(upd)
-            elif isinstance(action, LogRecord):
-                self.events.append(action.record)
-                if action.record["event"] in WARNING_EVENTS:
-                    log.warning("%s", action.record.get("reason", action.record))
+            elif isinstance(action, SyncerRecord):
+                self.records.append(action)
+                if action.level >= logging.WARNING:
+                    log.warning("%s", getattr(action, "reason", action))
                 if self._log_file:
-                    self._log_file.write(json.dumps(action.record) + "\n")
-                if action.record["event"] == "merge":
-                    merged.append(action.record["fragment"])
+                    self._log_file.write(json.dumps(action.to_record()) + "\n")
+                if isinstance(action, Merged):
+                    merged.append(action.fragment)
             elif isinstance(action, SendMomentUpdate):
                 with self._lock:
                     for lid in action.to:
