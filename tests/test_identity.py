@@ -176,16 +176,7 @@ def test_a_learner_whose_id_was_taken_while_it_was_stopped_merges_again_when_it_
 def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path: Path) -> None:
     """The same attack with Curve keys bound to ids: the stranger's key may speak as
     itself only, so however long l0 is silent, its id stays l0's."""
-    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
-    for name in ("syncer", "l0", "mallory"):
-        _keygen(keys, name)
-    allowed.mkdir()
-    for name in ("l0", "mallory"):
-        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
-    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--takeover-after", "1.5", "--secret-key",
-                               str(keys / "syncer.key_secret"), "--allowed-keys", str(allowed))
-    real = procs.learner(endpoint, "l0", *LEARNER_FLAGS, "--keys", str(keys / "l0.key"),
-                         str(keys / "l0.key_secret"), str(keys / "syncer.key"))
+    keys, endpoint, real = _curve_run(procs, tmp_path, "l0", ("l0", "mallory"), "--takeover-after", "1.5")
     wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, 0) >= 3, 60, "l0 to merge fragment 0", (real,))
     mallory = _curve_raw(endpoint, "l0", keys, "mallory")
     mallory.versions = {}
@@ -230,6 +221,23 @@ def test_a_join_refused_as_busy_says_so_and_why() -> None:
         thread.join(20)
 
 
+def _curve_run(procs: Procs, tmp_path: Path, learner: str, allowed_ids: tuple[str, ...],
+               *syncer_flags: str) -> tuple[Path, str, subprocess.Popen]:
+    """A syncer with Curve keys allowing ``allowed_ids`` (each its own key) and a learner
+    process ``learner`` with its key: (the keys' directory, the endpoint, the learner)."""
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("syncer", *allowed_ids):
+        _keygen(keys, name)
+    allowed.mkdir()
+    for name in allowed_ids:
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, *syncer_flags, "--secret-key", str(keys / "syncer.key_secret"),
+                               "--allowed-keys", str(allowed))
+    real = procs.learner(endpoint, learner, *LEARNER_FLAGS, "--keys", str(keys / f"{learner}.key"),
+                         str(keys / f"{learner}.key_secret"), str(keys / "syncer.key"))
+    return keys, endpoint, real
+
+
 def _keygen(keys: Path, name: str, *extra: str) -> None:
     subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name, *extra], check=True,
                    capture_output=True, timeout=60)
@@ -248,16 +256,7 @@ def _curve_raw(endpoint: str, lid: str, keys: Path, name: str) -> Raw:
 
 
 def test_with_curve_a_key_speaks_only_as_its_learner_ids(procs: Procs, tmp_path: Path) -> None:
-    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
-    for name in ("syncer", "l0", "l1"):
-        _keygen(keys, name)
-    allowed.mkdir()
-    for name in ("l0", "l1"):
-        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
-    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--secret-key", str(keys / "syncer.key_secret"),
-                               "--allowed-keys", str(allowed))
-    real = procs.learner(endpoint, "l1", *LEARNER_FLAGS, "--keys", str(keys / "l1.key"),
-                         str(keys / "l1.key_secret"), str(keys / "syncer.key"))
+    keys, endpoint, real = _curve_run(procs, tmp_path, "l1", ("l0", "l1"))
     wait_for(lambda: merges_of(tmp_path, "l1") >= 3, 60, "l1 to merge", (real,))
     l0 = _curve_raw(endpoint, "l0", keys, "l0")
     try:

@@ -89,9 +89,9 @@ def normalized_weights(weights: Sequence[float], absent: float = 0.0) -> list[fl
 
 _CHUNK = 1 << 18
 """Elements per accumulation chunk: a float64 accumulator of this size (2 MiB) stays in
-cache, which makes the mixed-dtype adds run about 9x faster than over whole tensors;
-256k rather than 64k elements cuts the Python calls per merge 4x (+20 % throughput,
-``benchmarks/syncer_capacity.py``, 2-core VM, 2026-12-05)."""
+cache, which makes the mixed-dtype adds run several times faster than over whole
+tensors; 256k rather than 64k elements makes 4x fewer Python calls per merge
+(``benchmarks/syncer_capacity.py`` measures the merge)."""
 
 
 def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,
@@ -120,9 +120,10 @@ def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dty
 
 
 def parallel_ranges(fn: Callable[[int, int], None], n: int, pool: Executor | None) -> None:
-    """``fn(lo, hi)`` over [0, n) split into runs of whole ``_CHUNK``s, one per worker of
-    ``pool`` (its ``_max_workers``; all of [0, n) at once without a pool or for small n)."""
-    workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
+    """``fn(lo, hi)`` over [0, n) split into runs of whole ``_CHUNK``s, one per thread torch
+    computes with (the syncer sizes its pool and torch's threads alike, ``--threads``); all
+    of [0, n) at once without a pool or for small n."""
+    workers = torch.get_num_threads() if pool is not None else 1
     chunks = -(-n // _CHUNK)
     if workers <= 1 or chunks < 2:
         fn(0, n)
