@@ -77,6 +77,8 @@ import torch
 from safetensors import safe_open
 
 from _common import finish, parser
+from rackmend.core.fragments import layout_from_wire
+from rackmend.core.syncer_fragment import global_values
 from rackmend.service.checkpoint import load_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -675,6 +677,7 @@ class Chaos:
             return {}
         tensors, meta = loaded
         versions = list(meta["versions"])
+        values = global_values(tensors, layout_from_wire(meta["layout"]))
         final = self.checker.current
         epoch = final.epoch if final is not None else -1
         if final is not None and final.last != versions:
@@ -692,18 +695,15 @@ class Chaos:
             row: dict[str, Any] = {}
             for which in ("held", "latest"):
                 equal = 0
-                for p in range(len(versions)):
+                for p, value in enumerate(values):
                     v, e = lm[f"{which}_versions"][p], lm[f"{which}_epochs"][p]
-                    names = [k for k in tensors if k.startswith(f"theta/{p}/")]
-                    same = (v == versions[p] and e == epoch and all(
-                        torch.equal(mine.get(f"{which}/{p}/{k.rsplit('/', 1)[1]}", torch.empty(0)), tensors[k])
-                        for k in names))
-                    if same:
+                    theirs = [mine.get(f"{which}/{p}/{i}") for i in range(len(value))]
+                    if v == versions[p] and e == epoch and all(
+                            t is not None and torch.equal(t, s) for t, s in zip(theirs, value)):
                         equal += 1
                         continue
-                    diff = [float((mine[f"{which}/{p}/{k.rsplit('/', 1)[1]}"] - tensors[k]).abs().max())
-                            for k in names if f"{which}/{p}/{k.rsplit('/', 1)[1]}" in mine
-                            and mine[f"{which}/{p}/{k.rsplit('/', 1)[1]}"].shape == tensors[k].shape]
+                    diff = [float((t - s).abs().max()) for t, s in zip(theirs, value)
+                            if t is not None and t.shape == s.shape]
                     self._violate("learner_copy", f"{lid} {which} fragment {p}: (epoch {e}, version {v}) vs the "
                                   f"syncer's (epoch {epoch}, version {versions[p]}); max |diff| "
                                   f"{max(diff) if diff else 'n/a'}")

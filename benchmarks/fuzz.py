@@ -53,6 +53,7 @@ import zmq
 
 from rackmend.core.fragments import fingerprint, layout_from_wire, pack_fragments
 from rackmend.core.settings import LearnerSettings
+from rackmend.core.syncer_fragment import global_values
 from rackmend.transport import wire
 
 H, P, TAU = 4, 2, 1
@@ -458,13 +459,10 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
     corruption = 0
     from safetensors.torch import load_file
 
-    state = load_file(str(ck / "syncer.safetensors"))
-    initial = {f"theta/{p}/{i}": t for p, spec in enumerate(pack_fragments(make_model(), P, H))
-               for i, t in enumerate(_initial_values(spec))}
-    for p in range(P):
-        keys = [k for k in state if k.startswith(f"theta/{p}/")]
-        now = torch.cat([state[k].flatten().float() for k in keys])
-        was = torch.cat([initial[k].flatten().float() for k in keys])
+    layout = pack_fragments(make_model(), P, H)
+    for spec, value in zip(layout, global_values(load_file(str(ck / "syncer.safetensors")), layout)):
+        now = torch.cat([t.flatten().float() for t in value])
+        was = torch.cat([t.flatten().float() for t in _initial_values(spec)])
         corruption += int(not torch.isfinite(now).all() or now.norm() > 10 * was.norm())
     before = _merges_of(ev, LEARNER, t_warm, t_start) / max(t_start - t_warm, 1e-9)
     during = _merges_of(ev, LEARNER, t_start, t_end) / max(t_end - t_start, 1e-9)

@@ -79,7 +79,7 @@ def assert_equal_to_reference(models: dict[str, nn.Module], hub: InProcessSyncer
         for name, ref in ref_models[lid].named_parameters():
             assert torch.equal(got[name], ref), f"{lid}.{name} differs from the reference"
     for p, ref in enumerate(ref_theta):
-        for a, b in zip(hub.core.theta[p], ref):
+        for a, b in zip(hub.core.frags[p].theta, ref):
             assert torch.equal(a, b), f"syncer fragment {p} differs from the reference"
 
 

@@ -55,7 +55,7 @@ def _run_and_compare(config: RackmendConfig, ids: list[str]) -> tuple[dict, InPr
         for p, held in enumerate(opt.held):
             v = opt.versions[p]
             assert v >= 3, f"{lid} fragment {p} applied only {v} merges"
-            for a, b in zip(held, hub.core.history[p][v]):
+            for a, b in zip(held, hub.core.frags[p].history[v]):
                 assert torch.equal(a, b), f"{lid} holds a value of fragment {p} v{v} that is not the syncer's"
             current += v == hub.core.versions[p]
     if config.schedule.overlap == 0:  # every send was applied: held is the syncer's theta itself
@@ -168,7 +168,7 @@ def test_syncer_checkpoint_keeps_downlink_residual() -> None:
         core = fresh()
         core.load_state_dict({k: v for k, v in tensors.items() if keep or not k.startswith("downlink/")}, meta)
         rounds(core, 3, 6)
-        results.append(all(torch.equal(a, b) for p in range(2) for a, b in zip(core.theta[p], straight.theta[p])))
+        results.append(all(torch.equal(a, b) for p in range(2) for a, b in zip(core.frags[p].theta, straight.frags[p].theta)))
     assert results == [True, False], f"resume with residual equal: {results[0]}, without: {results[1]}"
     assert straight.versions == [6, 6]
 

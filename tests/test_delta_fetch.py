@@ -90,7 +90,7 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
             for p in range(2):
                 _, version, held = link._global[p]
                 assert version == core.versions[p]
-                for a, b in zip(held, core.theta[p]):
+                for a, b in zip(held, core.frags[p].theta):
                     assert torch.equal(a, b), f"{lid}'s link holds fragment {p} unlike the syncer"
         assert links["l0"].fetches_sent >= 1 and links["l1"].fetches_sent == 0
         fetches = [r for r in records if r["event"] == "fetch"]

@@ -142,7 +142,7 @@ def test_syncer_checkpoint_round_trips_the_moments(tmp_path: Path) -> None:
     save_checkpoint(str(tmp_path), tensors, meta)  # through safetensors and JSON, as the service does
     loaded = load_checkpoint(str(tmp_path))
     assert loaded is not None
-    fresh = SyncerCore(config, core.fragments, [list(t) for t in core.theta], epoch=7)
+    fresh = SyncerCore(config, core.fragments, [f.theta for f in core.frags], epoch=7)
     fresh.load_state_dict(*loaded)
     assert fresh.moments.versions == core.moments.versions
     for key, upd in core.moments.current.items():

@@ -141,7 +141,7 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     hub.handle(Tick())
     assert hub.core.versions[0] == 1 and hub.named(Merged)[-1]["merged"] == ["l0", "l2"]
     b1 = hub.deliver("l1")  # too late for round 0: pending, based on version 0
-    theta1 = [t.clone() for t in hub.core.theta[0]]
+    theta1 = [t.clone() for t in hub.core.frags[0].theta]
 
     for lid in ("l0", "l1"):  # both apply version 1 at t_send + tau, then train to the next send
         tokens[lid] += [_step(opts[lid], lid, t) for t in range(H + 1, 2 * H + 1)]
@@ -167,11 +167,11 @@ def test_late_contribution_and_the_next_one_both_merge() -> None:
     for i, th1 in enumerate(theta1):
         d_b = b1.tensors[i].double() + b2.tensors[i].double()
         want = th1.double() - (w_a * a2.tensors[i].double() + w_b * d_b) / (w_a + w_b)
-        got = hub.core.theta[0][i].double()
+        got = hub.core.frags[0].theta[i].double()
         assert torch.allclose(got, want, rtol=0, atol=1e-6), f"tensor {i}: b's first contribution is missing"
         w_b2 = contribution_weight("tokens_sq_per_step", b2.c_tokens, b2.c_steps)
         lost.append(th1.double() - (w_a * a2.tensors[i].double() + w_b2 * b2.tensors[i].double()) / (w_a + w_b2))
-    assert any(not torch.allclose(w, g.double(), rtol=0, atol=1e-4) for w, g in zip(lost, hub.core.theta[0])), \
+    assert any(not torch.allclose(w, g.double(), rtol=0, atol=1e-4) for w, g in zip(lost, hub.core.frags[0].theta)), \
         "vacuous: the value without c1 equals the one with it"
     assert merge["weights"]["l1"] == pytest.approx(w_b / (w_a + w_b))
     (comb,) = hub.named(Combined)
@@ -188,7 +188,7 @@ def test_combined_stale_pieces_are_anchored_once_from_the_newer_base() -> None:
     acts = core.handle(contrib("a", 1.0, base=1, step=16), 1.0)  # v2 with a and b's c1 re-anchored
     assert merges(acts)[0]["merged"] == ["a", "b"]
     # theta2 = -1 - (1 + (2 + (-1 - 0)))/2 = -2
-    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -2.0))
     # Now the case at issue: both of b's sends pending at once.
     core.handle(contrib("b", 4.0, base=1, step=16, steps=6, tokens=6.0), 1.5)  # stale (v2 now)
     acts = core.handle(contrib("b", 3.0, base=2, step=24, steps=6, tokens=6.0), 2.0)
@@ -199,7 +199,7 @@ def test_combined_stale_pieces_are_anchored_once_from_the_newer_base() -> None:
     # would have given -2 - (7 + (-2 - -1)) = -8.
     (m,) = merges(acts)
     assert m["merged"] == ["b"]
-    assert torch.equal(core.theta[0][0], torch.full((N,), -9.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -9.0))
 
 
 def test_cumulative_send_replaces_only_the_newest_piece() -> None:
@@ -218,7 +218,7 @@ def test_cumulative_send_replaces_only_the_newest_piece() -> None:
     # w_a = 16^2/24, w_b = 8^2/8 -> theta2 = -1 - (w_a*8 + w_b*1)/(w_a + w_b)
     w_a, w_b = 16.0 ** 2 / 24, 8.0
     want = -1 - (w_a * 8 + w_b * 1) / (w_a + w_b)
-    assert torch.allclose(core.theta[0][0], torch.full((N,), want))
+    assert torch.allclose(core.frags[0].theta[0], torch.full((N,), want))
     assert m["merged"] == ["a", "b"]
 
 
@@ -240,7 +240,7 @@ def test_leave_merges_the_leavers_work_once_nobody_else_is_expected() -> None:
     assert merges(core.handle(LearnerLeft("a"), 0.1)) == []  # b is still expected: it may bring quorum
     (m,) = merges(core.handle(LearnerLeft("b"), 0.2))
     assert m["merged"] == ["a"] and m["cause"] == "leave"
-    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -2.0))
 
 
 def test_leave_closes_a_round_all_remaining_learners_are_in() -> None:
@@ -250,7 +250,7 @@ def test_leave_closes_a_round_all_remaining_learners_are_in() -> None:
     core.handle(contrib("b", 3.0), 0.0)
     (m,) = merges(core.handle(LearnerLeft("c"), 0.1))
     assert m["merged"] == ["a", "b"] and m["cause"] == "leave"
-    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -2.0))
 
 
 def test_leave_merges_a_stale_leftover() -> None:
@@ -261,7 +261,7 @@ def test_leave_merges_a_stale_leftover() -> None:
     (m,) = merges(core.handle(LearnerLeft("a"), 0.7))
     assert m["merged"] == ["b"] and m["stale"] == ["b"]
     # re-anchored: 4 + (-1 - 0) = 3 -> theta -1 - 3 = -4
-    assert torch.equal(core.theta[0][0], torch.full((N,), -4.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -4.0))
 
 
 def test_silent_learner_work_stays_pending() -> None:
@@ -270,7 +270,7 @@ def test_silent_learner_work_stays_pending() -> None:
     core.handle(LearnerJoined("b"), 0.0)
     core.handle(contrib("a", 2.0), 0.0)
     assert merges(core.handle(LearnerLeft("a", "silent"), 0.1) + core.handle(LearnerLeft("b", "silent"), 0.2)) == []
-    assert "a" in core.rounds[0].pending
+    assert "a" in core.frags[0].round.pending
 
 
 def test_final_merge_merges_every_fragment_with_pending_work() -> None:
@@ -285,8 +285,8 @@ def test_final_merge_merges_every_fragment_with_pending_work() -> None:
     assert core.versions == [1, 0, 1]
     # Neither learner's work has gone into the other's fragment yet, so neither counts
     # as absent there (count_absent counts only learners whose work arrives).
-    assert torch.equal(core.theta[0][0], torch.full((N,), -2.0))
-    assert torch.equal(core.theta[2][0], torch.full((N,), -1.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -2.0))
+    assert torch.equal(core.frags[2].theta[0], torch.full((N,), -1.0))
 
 
 def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module, list[torch.Tensor]]:
@@ -301,7 +301,7 @@ def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module
                             count_absent=False),  # plain arithmetic over what merged
     )
     hub = InProcessSyncer.for_model(config, make_model())
-    theta0 = [t.clone() for t in hub.core.theta[0]]
+    theta0 = [t.clone() for t in hub.core.frags[0].theta]
     model = make_model()
     opt = RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
     train(opt, model, "l0", range(1, H + 1))  # the send happens at step H, the last one
@@ -314,7 +314,7 @@ def _inprocess_one_sender(leave: bool) -> tuple[InProcessSyncer, torch.nn.Module
 
 def _assert_theta_is(hub: InProcessSyncer, model: torch.nn.Module, theta0: list[torch.Tensor]) -> None:
     named = dict(model.named_parameters())
-    for name, got, before in zip(hub.core.fragments[0].names, hub.core.theta[0], theta0):
+    for name, got, before in zip(hub.core.fragments[0].names, hub.core.frags[0].theta, theta0):
         assert not torch.equal(named[name].detach(), before), "vacuous: the learner did not move"
         assert torch.allclose(got, named[name].detach(), rtol=0, atol=1e-6), f"{name}: the learner's work is missing"
 

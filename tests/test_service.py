@@ -437,7 +437,7 @@ def test_graceful_stop_merges_pending_work_before_its_checkpoint(tmp_path: Path)
                             learner_id="l0")
     try:
         train(opt, model, "l0", range(1, H + 1))  # sends at step H, the last one
-        wait_for(lambda: svc.core is not None and bool(svc.core.rounds[0].pending), 20, "l0's send at the syncer")
+        wait_for(lambda: svc.core is not None and bool(svc.core.frags[0].round.pending), 20, "l0's send at the syncer")
     finally:
         svc.stop()
         server.join(20)

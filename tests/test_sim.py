@@ -135,7 +135,7 @@ def test_deterministic_run_equals_a_plain_computation() -> None:
     assert [lr_.steps for lr_ in report.learners] == [steps] * m
     assert report.merges == (steps // h,)
     assert merged is not None
-    torch.testing.assert_close(sim.syncer.theta[0][0], merged, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sim.syncer.frags[0].theta[0], merged, rtol=0, atol=1e-6)
     for learner, x in zip(sim.learners, local):
         torch.testing.assert_close(learner.local[0][0], x, rtol=0, atol=1e-6)
     assert report.global_loss == pytest.approx(sim.loss([merged]), rel=1e-6)

@@ -67,7 +67,7 @@ def test_quorum_then_grace_expiry() -> None:
     # outer SGD lr=1 without momentum: theta <- theta - mean(delta); c never contributed,
     # so it is not counted as absent (count_absent only counts learners whose work arrives).
     assert m["absent_share"] == 0.0
-    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -1.0))
 
 
 def test_without_count_absent_a_partial_round_takes_the_mean_of_what_came() -> None:
@@ -76,7 +76,7 @@ def test_without_count_absent_a_partial_round_takes_the_mean_of_what_came() -> N
     core.handle(contrib("b"), 0.5)
     (m,) = merges(core.handle(Tick(), 1.5))
     assert m["absent"] == ["c"] and m["absent_share"] == 0.0
-    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -1.0))
 
 
 def test_absent_learner_weighs_what_it_last_merged_with() -> None:
@@ -92,7 +92,7 @@ def test_absent_learner_weighs_what_it_last_merged_with() -> None:
     assert m["merged"] == ["a"] and m["absent"] == ["b", "c"]
     assert m["weights"]["a"] == pytest.approx(8 / 88) and m["absent_share"] == pytest.approx(80 / 88)
     before = -(8 + 8 + 72 * 1.0) / 88
-    assert torch.allclose(core.theta[0][0], torch.full((N,), before - 2.0 * 8 / 88))
+    assert torch.allclose(core.frags[0].theta[0], torch.full((N,), before - 2.0 * 8 / 88))
 
 
 def test_only_learners_whose_work_still_arrives_count_as_absent() -> None:
@@ -120,7 +120,7 @@ def test_a_learner_that_left_is_not_counted_as_absent() -> None:
     core.handle(contrib("a"), 0.0)
     (m,) = merges(core.handle(LearnerLeft("b"), 0.2))
     assert m["merged"] == ["a"] and m["absent_share"] == 0.0
-    assert torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -1.0))
 
 
 def test_early_finish_when_roster_complete() -> None:
@@ -150,7 +150,7 @@ def test_straggler_contribution_lands_in_next_round() -> None:
     (m,) = merges(core.handle(Tick(), 3.0))  # c has no fresh work in: the grace window runs out
     assert m["merged"] == ["a", "b", "c"] and m["stale"] == ["c"] and m["round"] == 1
     # theta: -1 (round 0) then -1 - (1+1+4)/3 = -3
-    assert torch.equal(core.theta[0][0], torch.full((N,), -3.0))
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -3.0))
 
 
 def test_silent_learner_never_blocks_once_quorum_is_in() -> None:
@@ -249,7 +249,7 @@ def test_bad_contributions_rejected_and_logged(bad, reason: str) -> None:
     acts = core.handle(bad, 0.0)
     (r,) = events(acts, Rejected)
     assert reason in r["reason"]
-    assert core.rejected == 1 and not core.rounds[0].pending
+    assert core.rejected == 1 and not core.frags[0].round.pending
     # ... and everyone else is still served
     assert merges(core.handle(contrib("b"), 0.1) + core.handle(Tick(), 5.0))
 
@@ -271,7 +271,7 @@ def test_syncer_anchoring_reanchors_stale_gradients() -> None:
         assert core.versions[0] == 1
         core.handle(contrib("a", 1.0, base=1, step=16), 2.0)
         assert core.versions[0] == 2
-        return core.theta[0][0].clone()
+        return core.frags[0].theta[0].clone()
 
     # learner_base: -1 - (1 + 1)/2 = -2. syncer: b re-anchored: 1 + (-1 - 0) = 0 -> -1 - (1 + 0)/2 = -1.5
     assert torch.equal(run("learner_base"), torch.full((N,), -2.0))

@@ -79,7 +79,7 @@ def test_out_of_bounds_counters_are_rejected_and_the_fragment_stays_finite(field
     assert rejected and "bound" in rejected[0]["reason"] and rejected[0]["code"] == "bounds", rejected
     (m,) = events(actions, Merged)
     assert m["merged"] == ["a"]
-    assert torch.isfinite(core.theta[0][0]).all() and torch.equal(core.theta[0][0], torch.full((N,), -1.0))
+    assert torch.isfinite(core.frags[0].theta[0]).all() and torch.equal(core.frags[0].theta[0], torch.full((N,), -1.0))
 
 
 def test_merge_weights_cannot_overflow() -> None:
@@ -96,13 +96,13 @@ def test_non_finite_outer_step_is_not_committed() -> None:
     # Each value is finite, but theta - delta = 1e38 + 3e38 overflows float32.
     core = make_core(learners=("a",), initial=1e38, norm_guard=0.0)
     actions = core.handle(contrib("a", torch.full((N,), -3e38)), 0.0)
-    assert torch.equal(core.theta[0][0], torch.full((N,), 1e38)), "a non-finite value was committed"
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), 1e38)), "a non-finite value was committed"
     assert core.versions[0] == 0 and not events(actions, Merged)
     (dropped,) = events(actions, Dropped)
     assert "non-finite" in dropped["reason"] and dropped["dropped"] == ["a"]
     # The round goes on: the next contribution merges normally.
     (m,) = events(core.handle(contrib("a", torch.full((N,), 1e37), step=16), 1.0), Merged)
-    assert m["merged"] == ["a"] and torch.isfinite(core.theta[0][0]).all()
+    assert m["merged"] == ["a"] and torch.isfinite(core.frags[0].theta[0]).all()
 
 
 # ------------------------------------------------------------------ 2: the norm guard
@@ -121,7 +121,7 @@ def _honest_rounds(core: SyncerCore, rounds: int) -> int:
 def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
     core = make_core(K=2)
     step = _honest_rounds(core, 4)
-    before = core.theta[0][0].clone()
+    before = core.frags[0].theta[0].clone()
     bad = torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.01 * 1e6
     if kind == "one_huge_element":
         bad = torch.zeros(N)
@@ -132,8 +132,8 @@ def test_guard_clips_a_huge_contribution_among_honest_ones(kind: str) -> None:
     margin = core.config.syncer.norm_guard
     assert guard["learner"] == "b" and guard["norm"] > margin * guard["median"] and guard["bound"] == pytest.approx(
         margin * guard["median"])
-    assert events(actions, Merged) and torch.isfinite(core.theta[0][0]).all()
-    change = torch.linalg.vector_norm(core.theta[0][0] - before).item()
+    assert events(actions, Merged) and torch.isfinite(core.frags[0].theta[0]).all()
+    change = torch.linalg.vector_norm(core.frags[0].theta[0] - before).item()
     assert change <= guard["bound"] * 1.01  # the weighted mean of two contributions within the bound
 
 
@@ -158,7 +158,7 @@ def test_guard_allows_for_a_base_versions_behind() -> None:
     # drift since that base every time: one usual period more per version behind.
     core = make_core(K=2)
     step = _honest_rounds(core, 4)
-    median = sorted(core.norms[0])[len(core.norms[0]) // 2]
+    median = sorted(core.frags[0].norms)[len(core.frags[0].norms) // 2]
     big = torch.full((N,), 1.0)
     big *= 45 * median / torch.linalg.vector_norm(big).item()  # 45x: over 30, under 30 x 2
     assert events(core.handle(contrib("b", big, base=core.versions[0], step=step + 8), 10.0), Guarded)
@@ -184,9 +184,9 @@ def test_guard_scale_survives_a_checkpoint() -> None:
     tensors, meta = core.state_dict()
     resumed = make_core(K=2)
     resumed.load_state_dict(tensors, meta)
-    assert list(resumed.norms[0]) == list(core.norms[0]) and len(core.norms[0]) == 8
-    assert list(resumed.norm_steps[0]) == list(core.norm_steps[0]) == [8] * 8
-    assert resumed.norm_scale[0] == core.norm_scale[0] is not None
+    assert list(resumed.frags[0].norms) == list(core.frags[0].norms) and len(core.frags[0].norms) == 8
+    assert list(resumed.frags[0].norm_steps) == list(core.frags[0].norm_steps) == [8] * 8
+    assert resumed.frags[0].norm_scale == core.frags[0].norm_scale is not None
 
 
 def test_guard_scale_from_a_checkpoint_written_before_the_growth_cap() -> None:
@@ -196,12 +196,12 @@ def test_guard_scale_from_a_checkpoint_written_before_the_growth_cap() -> None:
     del meta["norm_scale"]
     resumed = make_core(K=2)
     resumed.load_state_dict(tensors, meta)
-    window = sorted(core.norms[0])
-    assert resumed.norm_scale[0] == window[(len(window) - 1) // 2]
+    window = sorted(core.frags[0].norms)
+    assert resumed.frags[0].norm_scale == window[(len(window) - 1) // 2]
     del meta["norms"], meta["norm_steps"]  # older still: no guard state at all
     bare = make_core(K=2)
     bare.load_state_dict(tensors, meta)
-    assert bare.norm_scale[0] is None and len(bare.norms[0]) == 0
+    assert bare.frags[0].norm_scale is None and len(bare.frags[0].norms) == 0
 
 
 def _norm_of(t: torch.Tensor) -> float:
@@ -216,7 +216,7 @@ def test_guard_cannot_be_ratcheted_by_bursts_from_one_learner(rounds: str) -> No
     core = make_core(K=2)
     step = _honest_rounds(core, 4)
     usual = torch.full((N,), 0.01)
-    before = _norm_of(core.theta[0][0])
+    before = _norm_of(core.frags[0].theta[0])
     seq = itertools.count(1)
 
     def b_sends(scale: float, count: int, at: float) -> list:
@@ -246,25 +246,25 @@ def test_guard_cannot_be_ratcheted_by_bursts_from_one_learner(rounds: str) -> No
     assert all(g["learner"] == "b" for g in guards)
     # Each merge moves the fragment by at most its bound (weights are a convex mix).
     merges = 1 if rounds == "one_round" else 8
-    assert _norm_of(core.theta[0][0]) <= before + merges * last["bound"] * 1.01
+    assert _norm_of(core.frags[0].theta[0]) <= before + merges * last["bound"] * 1.01
 
 
 def test_one_learner_adds_at_most_one_norm_per_merge() -> None:
     core = make_core(K=2)
     step = _honest_rounds(core, 4)
-    n = len(core.norms[0])
+    n = len(core.frags[0].norms)
     for i in range(50):  # repeats, then cumulative sends: one pending send
         core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0], step=step + 8 + i), 10.0)
-    assert len(core.norms[0]) == n, "norms enter the window at merge time only"
+    assert len(core.frags[0].norms) == n, "norms enter the window at merge time only"
     core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 10.5)
-    assert len(core.norms[0]) == n + 2
+    assert len(core.frags[0].norms) == n + 2
     # Disjoint work of one learner (an older send re-based after a merge in between)
     # merges combined: still one norm.
     step += 8 + 49
     core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.0)
     core.handle(contrib("b", torch.full((N,), 0.01), base=core.versions[0] - 1, step=step + 4, steps=4), 11.0)
     actions = core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step + 8), 11.5)
-    assert events(actions, Merged) and len(core.norms[0]) == n + 4
+    assert events(actions, Merged) and len(core.frags[0].norms) == n + 4
 
 
 def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
@@ -277,7 +277,7 @@ def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
     for r in range(5):
         step += 8
         core.handle(contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=step), float(r))
-    start = core.norm_scale[0]
+    start = core.frags[0].norm_scale
     assert start is not None
     scales = [start]
     for r in range(20):
@@ -285,7 +285,7 @@ def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
         just_under = torch.full((N,), 1.0) * (0.99 * 30 * scales[-1] / _norm_of(torch.ones(N)))
         actions = core.handle(contrib("a", just_under, base=core.versions[0], step=step), 10.0 + r)
         assert not events(actions, Guarded) and events(actions, Merged)
-        scales.append(core.norm_scale[0])  # type: ignore[arg-type]
+        scales.append(core.frags[0].norm_scale)  # type: ignore[arg-type]
     growth = [b / a for a, b in zip(scales, scales[1:])]
     assert max(growth) <= GUARD_GROWTH * (1 + 1e-12) and scales[-1] > scales[0]
     assert scales[-1] <= start * GUARD_GROWTH**20
@@ -491,7 +491,7 @@ def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-
     raw.send(raw.contribution(base=svc.core.versions[0], step=8))
     assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"], start=before)
     time.sleep(0.2)
-    theta = svc.core.theta[0][0]
+    theta = svc.core.frags[0].theta[0]
     assert torch.allclose(theta, torch.full_like(theta, -0.02)), (
         f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
         "a replay was merged too")
@@ -508,11 +508,11 @@ def test_out_of_bounds_counters_are_rejected_live(live, field: str, value: float
     errors = raw.errors(5.0)
     assert errors and errors[0]["code"] == "rejected" and "bound" in errors[0]["reason"], errors
     assert any(r["event"] == "reject" and "bound" in r["reason"] for r in records)
-    assert all(torch.isfinite(t).all() for t in svc.core.theta[0])
+    assert all(torch.isfinite(t).all() for t in svc.core.frags[0].theta)
     # A sane contribution after it still merges.
     raw.send(raw.contribution(base=svc.core.versions[0], step=8))
     assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"])
-    assert all(torch.isfinite(t).all() for t in svc.core.theta[0])
+    assert all(torch.isfinite(t).all() for t in svc.core.frags[0].theta)
 
 
 # ------------------------------------------------------------------ 4: learner ids are matched whole

@@ -69,4 +69,4 @@ def test_syncer_core_outer_steps_match_vectors(case: dict) -> None:
             merges += [a for a in core.handle(ContributionArrived(c), now=float(r)) if isinstance(a, Merged)]
         assert len(merges) == 1, "the round must end once every listed learner is in"
         assert core.versions[0] == r + 1
-        _close(core.theta[0][0], rnd["theta_after"])
+        _close(core.frags[0].theta[0], rnd["theta_after"])

@@ -29,6 +29,7 @@ from rackmend.config import RackmendConfig
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import MOMENT_KINDS, MomentContribution, MomentUpdate, moment_spec
+from rackmend.core.rounds import RoundClock
 
 __all__ = ["MomentRounds", "MomentKey"]
 
@@ -39,9 +40,7 @@ MomentKey = tuple[int, str]
 @dataclass
 class _MomentRound:
     pending: dict[str, MomentContribution] = field(default_factory=dict)
-    first_arrival: float | None = None
-    quorum_at: float | None = None
-    deadline: float | None = None
+    clock: RoundClock = field(default_factory=RoundClock)
 
 
 class MomentRounds:
@@ -82,8 +81,8 @@ class MomentRounds:
             notes.append({"learner": c.learner_id, "fragment": c.fragment, "kind": c.kind, "step": old.step,
                           "by_step": c.step})
         rnd.pending[c.learner_id] = c
-        if rnd.first_arrival is None and self._fresh(key, c):
-            rnd.first_arrival = now
+        if self._fresh(key, c):
+            rnd.clock.arrived(now)
         return notes
 
     def _fresh(self, key: MomentKey, c: MomentContribution) -> bool:
@@ -93,7 +92,7 @@ class MomentRounds:
 
     # ------------------------------------------------------------------ closing
     def next_deadline(self) -> float | None:
-        deadlines = [r.deadline for r in self.rounds.values() if r.deadline is not None]
+        deadlines = [r.clock.deadline for r in self.rounds.values() if r.clock.deadline is not None]
         return min(deadlines) if deadlines else None
 
     def due(self, key: MomentKey, now: float, expected: set[str], grace: Callable[[], float],
@@ -102,20 +101,11 @@ class MomentRounds:
         that waits for nobody any more, quorum or not (as parameter rounds do)."""
         rnd = self.rounds[key]
         fresh = {lid for lid, c in rnd.pending.items() if self._fresh(key, c)}
-        if not fresh:
-            return False
-        all_in = bool(expected) and expected <= fresh
         if leave:
-            return expected <= fresh
-        if self.config.deterministic:
-            return all_in
-        if len(fresh) < self.config.syncer.min_quorum:
-            return False
-        if rnd.quorum_at is None:
-            rnd.quorum_at = now
-            rnd.deadline = now + grace()
-        assert rnd.deadline is not None
-        return all_in or now >= rnd.deadline
+            return bool(fresh) and expected <= fresh
+        return rnd.clock.due(now, len(fresh), bool(expected) and expected <= fresh,
+                             deterministic=self.config.deterministic, min_quorum=self.config.syncer.min_quorum,
+                             grace=grace)
 
     def pending_keys(self) -> list[MomentKey]:
         return [k for k in self.keys if self.rounds[k].pending]
@@ -142,7 +132,7 @@ class MomentRounds:
         p, kind = key
         upd = MomentUpdate(p, kind, self.versions[key], tuple(mean), epoch=self.epoch, encoded=encoded)
         self.current[key] = upd
-        first = now if rnd.first_arrival is None else rnd.first_arrival
+        first = now if rnd.clock.first_arrival is None else rnd.clock.first_arrival
         fields = {
             "fragment": p, "kind": kind, "version": upd.version, "merged": ids,
             "stale": [c.learner_id for c in contribs if not self._fresh(key, c)],

@@ -28,7 +28,6 @@ update then carries that encoded change as ``delta`` next to the full value.
 from __future__ import annotations
 
 import math
-from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
@@ -51,6 +50,16 @@ from rackmend.core.fragments import FragmentSpec
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.moments import MomentKey, MomentRounds
+from rackmend.core.syncer_fragment import (
+    GUARD_GROWTH,
+    GUARD_MIN_NORMS,
+    GUARD_WINDOW,
+    Round,
+    SyncerFragment,
+    check_tensors,
+    contains,
+    contribution_norm,
+)
 from rackmend.core.records import (
     REJECT_CODES,
     WARNING_EVENTS,
@@ -140,17 +149,6 @@ MAX_STEP_TIME = 86_400.0
 """Most seconds per inner step a contribution may report (a day). Step times feed the
 grace window estimate; an absurd one would stretch every round to ``grace_max``."""
 
-GUARD_WINDOW = 32
-"""Per fragment, how many recent norms of merged, unclipped contributions the norm
-guard's median is taken over (``SyncerConfig.norm_guard``). A learner adds at most one
-per merge of the fragment (its pending sends of the round count once), so a burst of
-sends cannot fill it, and no learner can hold more than its share of it."""
-
-GUARD_MIN_NORMS = 5
-"""Nonzero norms a fragment must have seen before the norm guard acts: before that
-there is no scale to compare with, and the first contributions of a run are the
-largest."""
-
 GUARD_STEPS_CAP = 64.0
 """Most the norm guard's bound grows for a contribution holding more work than usual:
 the first send after an outage carries every step made during it (49x the usual in
@@ -159,16 +157,6 @@ sender's word, so what a lie can buy is capped at this multiple."""
 
 MAX_SEQ = 2**63 - 1
 """The largest sequence number the wire carries."""
-GUARD_GROWTH = 2.0
-"""Most the norm guard's scale may grow from one merge of a fragment to the next: the
-scale is the lower median of the window, capped at this multiple of the previous
-merge's scale (it may fall freely). A learner that owns most of the window (the only
-learner, or the one whose sends close most rounds of a K=1 run) could otherwise raise
-its bound by almost ``norm_guard`` (30x) every few merges, sending just under it; this
-way a millionfold takes at least log2(10^6) = 20 merges. Honest training stays far
-below it: the largest growth from one merge to the next measured on the demo GPT is
-given in docs/reliability.md ("Does the guard touch honest training?")."""
-
 RETIRED_SESSIONS = 16
 """Per (learner, fragment), how many earlier sessions are remembered so that replays
 of their messages are refused; a learner restarted more often than this within one
@@ -275,71 +263,10 @@ HARMFUL_LOSS = 0.05
 drops the tau local steps made since the send, so small negative gains are normal."""
 
 
-def _contains(newer: Contribution, older: Contribution) -> bool:
-    """Whether ``newer`` (a later send of the same learner and fragment) already holds
-    ``older``'s work, so replacing ``older`` by it loses nothing.
-
-    A learner's outer gradient is measured against the global value it holds, and its
-    counters run since it last received the fragment. With the same base version it
-    applied nothing in between: ``newer`` is cumulative and contains ``older``. With a
-    newer base it applied a merged value in between and reset its counters, so the two
-    hold disjoint work (to combine), unless ``newer``'s step count reaches back over
-    ``older``'s send: then it adopted a rejoin value keeping its progress and counters,
-    and ``newer`` is cumulative again."""
-    return newer.base_version == older.base_version or newer.c_steps > newer.step - older.step
-
-
-def _combine(older: Contribution, newer: Contribution) -> Contribution:
-    """One contribution carrying the disjoint work of two sends of one learner.
-
-    The result is based on ``newer``'s version, with outer gradient
-    Δ_older + Δ_newer: by the time of its newer send the learner had applied that
-    version, so its model sits on it, and the older work (lost from the learner's
-    model by the apply, since the merged value did not contain it) is a displacement
-    added on top, as ``keep_local`` adds local progress to a new value. With
-    ``anchoring="syncer"`` the sum is then re-anchored once, from ``newer``'s base to
-    the current value; re-anchoring the older piece from its own base as well would
-    pull the global value back by the merges the learner has since received. Counters
-    add up, so the weight reflects both pieces of work."""
-    steps = older.c_steps + newer.c_steps
-    return Contribution(
-        learner_id=newer.learner_id,
-        fragment=newer.fragment,
-        base_version=newer.base_version,
-        step=newer.step,
-        c_steps=steps,
-        c_tokens=older.c_tokens + newer.c_tokens,
-        step_time=(older.step_time * older.c_steps + newer.step_time * newer.c_steps) / steps if steps else 0.0,
-        tensors=tuple(o + n for o, n in zip(older.tensors, newer.tensors)),
-        encoded=None,
-        merge_gain=newer.merge_gain if newer.merge_gain is not None else older.merge_gain,
-        base_epoch=newer.base_epoch,
-    )
-
-
 def _share(absent: float, present: Sequence[float]) -> float:
     """The share of a round's weight given to absent learners (0 when none are)."""
     total = absent + math.fsum(present)
     return absent / total if absent > 0.0 and total > 0.0 else 0.0
-
-
-def _norm(tensors: Sequence[torch.Tensor], pool: Executor | None = None) -> float:
-    """L2 norm over all of a contribution's tensors, added up in float64; with
-    ``pool``, one tensor per worker at a time (the same value: each tensor's norm is
-    computed whole, and they are added in order)."""
-    def one(t: torch.Tensor) -> float:
-        if not t.numel():
-            return 0.0
-        # float32 first: torch's float64 norm of a float32 tensor converts element by
-        # element at ~1 GB/s, 25x slower; the guard needs the magnitude, not the last
-        # bits. A sum of squares past float32's range is taken again in float64.
-        n = float(torch.linalg.vector_norm(t))
-        return n * n if math.isfinite(n) else float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
-
-    total = 0.0
-    for sq in (pool.map(one, tensors) if pool is not None and len(tensors) > 1 else map(one, tensors)):
-        total += sq
-    return math.sqrt(total)
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -367,30 +294,6 @@ class _Member:
     expected: bool
 
 
-@dataclass
-class _Round:
-    pending: dict[str, Contribution] = field(default_factory=dict)
-    """Per learner, its newest send; it decides freshness and what a later send replaces."""
-    carried: dict[str, Contribution] = field(default_factory=dict)
-    """Per learner, older work disjoint from its newest send (it applied a merged value
-    in between), summed; merged together with the newest send (see ``_combine``).
-    Kept apart so a later cumulative send replaces only the newest, not this."""
-    carried_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes received for ``carried`` (a combined contribution has no encoding of its own)."""
-
-    def effective(self, lid: str) -> Contribution:
-        """What is merged for ``lid``: its newest send plus any older disjoint work."""
-        c = self.pending[lid]
-        old = self.carried.get(lid)
-        return c if old is None else _combine(old, c)
-    first_arrival: float | None = None
-    quorum_at: float | None = None
-    deadline: float | None = None
-    clipped: set[str] = field(default_factory=set)
-    """Learners with a send clipped by the norm guard this round: their merged norm stays
-    out of the guard's window (else sends just under the bound would ratchet it up)."""
-
-
 class SyncerCore:
     """Per-fragment quorum, grace, merge and outer step. See the module docstring."""
 
@@ -407,20 +310,14 @@ class SyncerCore:
             raise ValueError(f"initial has {len(initial)} fragments, the layout has {len(fragments)}")
         self.config = config
         self.fragments = list(fragments)
-        self._spare: dict[int, tuple[list[torch.Tensor], dict[Any, Any]]] = {}
-        """Per fragment, the buffers ``_keep`` copies the value and optimizer state into."""
         self.pool = pool
         """Workers the merge sums and norms spread over (the driver's; none: this thread).
         The results are the same bits either way (``merge.parallel_ranges``)."""
         sc = config.syncer
-        self.theta: list[list[torch.Tensor]] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
-        for spec, values in zip(self.fragments, initial):
-            self._check_tensors(spec, values)
-            tensors = [v.detach().to("cpu", copy=True) for v in values]
-            self.theta.append(tensors)
-            self.optimizers.append(sc.build_outer_optimizer(tensors))
-        self.versions = [0] * len(self.fragments)
+        self.frags = [SyncerFragment(p, spec, values, sc.build_outer_optimizer, epoch,
+                                     keep_history=sc.anchoring == "syncer")
+                      for p, (spec, values) in enumerate(zip(self.fragments, initial))]
+        """Each fragment's value, optimizer, version, round, history and guard window."""
         self.epoch = epoch
         """This run's epoch: stamped on every value sent (``Update.epoch``)."""
         self.lineage: list[tuple[int, list[int]]] = []
@@ -428,9 +325,6 @@ class SyncerCore:
         first, each with the versions per fragment this run kept of it: its values up to
         those are this run's too; its later ones were lost in a crash. Set by
         ``load_state_dict``; empty for a new run."""
-        self.rounds = [_Round() for _ in self.fragments]
-        self.history: list[dict[int, list[torch.Tensor]]] = [{} for _ in self.fragments]
-        self.current: list[Update] = [self._snapshot(p) for p in range(len(self.fragments))]
         self.members: dict[str, _Member] = {
             lid: _Member(connected=False, expected=True) for lid in sc.learners
         }
@@ -450,19 +344,6 @@ class SyncerCore:
         self.last_merged: dict[tuple[str, int], int] = {}
         """Per (learner, fragment), the version its work last went into: only a learner
         whose work still arrives counts as absent (an idle peer must not damp every merge)."""
-        self.merge_gain: list[float | None] = [None] * len(self.fragments)
-        """Per fragment, the median merge gain the learners reported in its last merge
-        (their probe loss before minus after applying the previous value)."""
-        self._harmful_streak = [0] * len(self.fragments)
-        self.norms: list[deque[float]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
-        """Per fragment, recent nonzero norms of merged, unclipped contributions, at most one
-        per learner per merge (the norm guard's window)."""
-        self.norm_steps: list[deque[int]] = [deque(maxlen=GUARD_WINDOW) for _ in self.fragments]
-        """Per fragment, the ``c_steps`` behind those norms (the guard's usual amount of work)."""
-        self.norm_scale: list[float | None] = [None] * len(self.fragments)
-        """Per fragment, the norm the guard's bound is a multiple of: the window's lower
-        median, grown by at most ``GUARD_GROWTH`` per merge; None until the window holds
-        ``GUARD_MIN_NORMS`` norms (no guard yet)."""
         self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
         """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
         self.retired_sessions: dict[tuple[str, int], dict[int, int]] = {}
@@ -475,9 +356,6 @@ class SyncerCore:
         """Residual and codec state per (fragment, tensor) of a lossy downlink codec."""
         config.compression.require_float32(
             "downlink", ((t.name, t.dtype) for spec in self.fragments for t in spec.tensors))
-        if sc.anchoring == "syncer":
-            for p in range(len(self.fragments)):
-                self.history[p][0] = [t.clone() for t in self.theta[p]]
         self.failslow: FailSlowMonitor | None = None if config.deterministic or not sc.failslow else FailSlowMonitor(
             min_slowdown=sc.failslow_min_slowdown, min_steps=sc.failslow_min_steps,
             false_alarm_steps=sc.failslow_false_alarm_steps, baseline_steps=sc.failslow_baseline_steps,
@@ -536,7 +414,7 @@ class SyncerCore:
 
     def next_deadline(self) -> float | None:
         """Earliest time a grace window expires, or None when nothing waits on time."""
-        deadlines = [r.deadline for r in self.rounds if r.deadline is not None]
+        deadlines = [f.round.clock.deadline for f in self.frags if f.round.clock.deadline is not None]
         moments = self.moments.next_deadline()
         if moments is not None:
             deadlines.append(moments)
@@ -577,11 +455,12 @@ class SyncerCore:
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The current global value of every synchronised tensor (parameters and floating
         buffers), by canonical name (shared; do not modify)."""
-        return {
-            spec.name: t
-            for frag, upd in zip(self.fragments, self.current)
-            for spec, t in zip(frag.tensors, upd.tensors)
-        }
+        return {spec.name: t for f in self.frags for spec, t in zip(f.spec.tensors, f.current.tensors)}
+
+    @property
+    def versions(self) -> list[int]:
+        """Each fragment's current version (a copy)."""
+        return [f.version for f in self.frags]
 
     def connected_learners(self) -> tuple[str, ...]:
         return tuple(sorted(lid for lid, m in self.members.items() if m.connected))
@@ -590,25 +469,14 @@ class SyncerCore:
         """Everything a restarted syncer needs: (tensors by name, plain JSON-able rest).
         Pending contributions are not kept: their senders send again next period."""
         tensors: dict[str, torch.Tensor] = {}
-        optim_meta = []
-        for p, (theta, opt) in enumerate(zip(self.theta, self.optimizers)):
-            for i, t in enumerate(theta):
-                tensors[f"theta/{p}/{i}"] = t.detach()
-            sd = opt.state_dict()
-            scalars: dict[str, dict[str, Any]] = {}
-            for idx, st in sd["state"].items():
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"optim/{p}/{idx}/{key}"] = value
-                    else:
-                        scalars.setdefault(str(idx), {})[key] = value
-            optim_meta.append({"param_groups": sd["param_groups"], "scalars": scalars})
-            for v, hist in self.history[p].items():
-                for i, t in enumerate(hist):
-                    tensors[f"history/{p}/{v}/{i}"] = t
+        per: list[dict[str, Any]] = []
+        for f in self.frags:
+            t, m = f.state_dict()
+            tensors.update(t)
+            per.append(m)
         meta = {
-            "versions": list(self.versions),
-            "optim": optim_meta,
+            "versions": [m["version"] for m in per],
+            "optim": [m["optim"] for m in per],
             "ema": {"step": self.step_time_estimate(), "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
             "step_times": {lid: e.value for lid, e in sorted(self.step_times.items()) if e.value is not None},
             "rejected": self.rejected,
@@ -617,9 +485,9 @@ class SyncerCore:
             # keep the guard's scale rather than start unguarded.
             "sequences": [[lid, p, sess, seq, [list(r) for r in self.retired_sessions.get((lid, p), {}).items()]]
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
-            "norms": [list(n) for n in self.norms],
-            "norm_steps": [list(n) for n in self.norm_steps],
-            "norm_scale": list(self.norm_scale),
+            "norms": [m["norms"] for m in per],
+            "norm_steps": [m["norm_steps"] for m in per],
+            "norm_scale": [m["norm_scale"] for m in per],
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
             "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
             "epoch": self.epoch,
@@ -639,32 +507,14 @@ class SyncerCore:
         """Restore from ``state_dict()``'s output (same layout and config)."""
         if len(meta["versions"]) != len(self.fragments):
             raise ValueError(f"checkpoint has {len(meta['versions'])} fragments, the layout has {len(self.fragments)}")
-        for p, spec in enumerate(self.fragments):
-            values = [tensors[f"theta/{p}/{i}"] for i in range(len(spec.tensors))]
-            problem = self._check_tensors(spec, values)
-            if problem:
-                raise ValueError(f"checkpoint does not match the layout: {problem}")
-            with torch.no_grad():
-                for t, v in zip(self.theta[p], values):
-                    t.copy_(v)
-            om = meta["optim"][p]
-            state: dict[int, dict[str, Any]] = {}
-            for key, value in tensors.items():
-                parts = key.split("/")
-                if parts[0] == "optim" and parts[1] == str(p):
-                    state.setdefault(int(parts[2]), {})[parts[3]] = value.clone()
-            for idx, scalars in om["scalars"].items():
-                state.setdefault(int(idx), {}).update(scalars)
-            self.optimizers[p].load_state_dict({"state": state, "param_groups": om["param_groups"]})
-            hist: dict[int, list[torch.Tensor]] = {}
-            for key, value in tensors.items():
-                parts = key.split("/")
-                if parts[0] == "history" and parts[1] == str(p):
-                    hist.setdefault(int(parts[2]), [None] * len(spec.tensors))[int(parts[3])] = value.clone()  # type: ignore[list-item]
-            self.history[p] = hist
-            self.versions[p] = int(meta["versions"][p])
-            self.current[p] = self._snapshot(p)
-            self.rounds[p] = _Round()
+        for p, f in enumerate(self.frags):
+            part = {"version": meta["versions"][p], "optim": meta["optim"][p]}
+            # .get: checkpoints written before the replay and norm guards lack these,
+            # and those from before the growth cap lack the scale.
+            for key in ("norms", "norm_steps", "norm_scale"):
+                if p < len(meta.get(key, ())):
+                    part[key] = meta[key][p]
+            f.load_state_dict(tensors, part)
         for lid, value in meta.get("step_times", {}).items():
             self.step_times.setdefault(lid, Ema(self.config.syncer.ema_decay)).value = float(value)
         self.xi_quorum.value = meta["ema"]["quorum"]
@@ -672,26 +522,12 @@ class SyncerCore:
         self.rejected = int(meta["rejected"])
         for lid in meta["learners"]:
             self.members.setdefault(lid, _Member(connected=False, expected=True))
-        # .get: checkpoints written before the replay and norm guards lack these.
         for lid, p, sess, seq, retired in meta.get("sequences", []):
             self.sequences[(lid, int(p))] = (int(sess), int(seq))
             # Before the seq of retired sessions was kept, any send of one was refused.
             self.retired_sessions[(lid, int(p))] = {
                 int(r[0]) if isinstance(r, list) else int(r): int(r[1]) if isinstance(r, list) else MAX_SEQ
                 for r in retired}
-        for p, norms in enumerate(meta.get("norms", [])[: len(self.fragments)]):
-            self.norms[p] = deque((float(x) for x in norms), maxlen=GUARD_WINDOW)
-        for p, steps in enumerate(meta.get("norm_steps", [])[: len(self.fragments)]):
-            self.norm_steps[p] = deque((int(x) for x in steps), maxlen=GUARD_WINDOW)
-        scales = meta.get("norm_scale")
-        for p in range(len(self.fragments)):
-            # Checkpoints written before the growth cap lack the scale: their window's
-            # median is what their guard used, so the cap starts from it.
-            if scales is not None and p < len(scales):
-                self.norm_scale[p] = None if scales[p] is None else float(scales[p])
-            else:
-                self.norm_scale[p] = None
-                self._rescale(p)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
         for lid, p, v in meta.get("last_merged", []):
@@ -717,29 +553,17 @@ class SyncerCore:
             self.moments.load_state_dict(tensors, meta["moments"])
 
     # ------------------------------------------------------------------ internals
-    def _snapshot(self, p: int, delta: tuple[Encoded, ...] | None = None) -> Update:
-        return Update(p, self.versions[p], tuple(t.clone() for t in self.theta[p]), epoch=self.epoch, delta=delta)
-
     @torch.no_grad()
     def _compress_change(self, p: int, old: list[torch.Tensor]) -> tuple[Encoded, ...]:
         """Encode theta - old per tensor (with feedback) and set theta = old + decoded:
         the same sum, in the same order, that learners compute from what they hold."""
         assert self.downlink is not None
         out = []
-        for i, (theta, base) in enumerate(zip(self.theta[p], old)):
+        for i, (theta, base) in enumerate(zip(self.frags[p].theta, old)):
             enc, dec = self.downlink.encode_decoded((p, i), theta - base)
             theta.copy_(base + dec)
             out.append(enc)
         return tuple(out)
-
-    @staticmethod
-    def _check_tensors(spec: FragmentSpec, tensors: Sequence[torch.Tensor]) -> str | None:
-        if len(tensors) != len(spec.tensors):
-            return f"fragment {spec.index} has {len(spec.tensors)} tensors, got {len(tensors)}"
-        for t, s in zip(tensors, spec.tensors):
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                return f"{s.name}: expected {s.dtype} {list(s.shape)}, got {t.dtype} {list(t.shape)}"
-        return None
 
     def _join(self, lid: str, now: float, actions: list[Action]) -> None:
         if self.failslow is not None and lid not in self._failslow_resumed:
@@ -748,8 +572,8 @@ class SyncerCore:
         # Only a learner flagged before a syncer restart is still slow here: not waited for.
         m.connected, m.expected = True, not (self.failslow is not None and self.failslow.is_slow(lid))
         actions.append(Joined(t=now, learner=lid, expected=m.expected))
-        for upd in self.current:
-            actions.append(SendUpdate(upd, (lid,)))
+        for f in self.frags:
+            actions.append(SendUpdate(f.current, (lid,)))
 
     def _reject(self, c: Contribution, now: float, code: RejectCode, reason: str, actions: list[Action]) -> None:
         self.rejected += 1
@@ -763,7 +587,8 @@ class SyncerCore:
         if c.learner_id not in self.members or not self.members[c.learner_id].connected:
             self._reject(c, now, "not_joined", "learner has not joined", actions)
             return None
-        problem = self._check_tensors(self.fragments[p], c.tensors)
+        frag = self.frags[p]
+        problem = check_tensors(frag.spec, c.tensors)
         if problem:
             self._reject(c, now, "layout", problem, actions)
             return None
@@ -774,13 +599,13 @@ class SyncerCore:
         if problem:
             self._reject(c, now, "bounds", problem, actions)
             return None
-        version = self.versions[p]
+        version = frag.version
         if not self._holds(c.base_epoch, p, c.base_version):
             self._reject(
                 c, now, "epoch", f"based on version {c.base_version} of another syncer run (epoch {c.base_epoch}), "
                 f"which this run (epoch {self.epoch}) does not hold: lost in a crash before a checkpoint, or from "
                 f"another training run; the learner is sent the current value (version {version})", actions)
-            actions.append(SendUpdate(self.current[p], (c.learner_id,), reset=True))
+            actions.append(SendUpdate(frag.current, (c.learner_id,), reset=True))
             return None
         if c.base_version > version:
             self._reject(c, now, "ahead", f"base version {c.base_version} is ahead of the syncer's {version}",
@@ -802,7 +627,7 @@ class SyncerCore:
         guarded = self._guard(c, now, actions)
         if guarded is None:
             return None
-        rnd = self.rounds[p]
+        rnd = frag.round
         lid = c.learner_id
         if guarded is not c:
             rnd.clipped.add(lid)
@@ -811,12 +636,12 @@ class SyncerCore:
         old = rnd.pending.get(lid)
         if old is None:
             rnd.pending[lid] = c
-        elif c.step <= old.step and (c.step == old.step or _contains(old, c)):
+        elif c.step <= old.step and (c.step == old.step or contains(old, c)):
             # A repeat, or an older send arriving late whose work the pending one holds.
             actions.append(Superseded(t=now, learner=lid, fragment=p, step=c.step, by_step=old.step,
                                       base_version=c.base_version, by_base_version=old.base_version))
             return p
-        elif c.step > old.step and _contains(c, old):
+        elif c.step > old.step and contains(c, old):
             # Cumulative: the new send holds all of the old one's work, so replacing
             # loses nothing (older disjoint work in ``carried`` stays).
             actions.append(Superseded(t=now, learner=lid, fragment=p, step=old.step, by_step=c.step,
@@ -825,16 +650,14 @@ class SyncerCore:
         else:
             # Disjoint work (the learner applied a merged value between the sends): both merge.
             older, newer = (old, c) if old.step < c.step else (c, old)
-            prior = rnd.carried.get(lid)
-            rnd.carried[lid] = older if prior is None else _combine(prior, older)
-            rnd.carried_bytes[lid] = rnd.carried_bytes.get(lid, 0) + self._bytes_in(p, older)
+            rnd.carry(lid, older, self._bytes_in(p, older))
             rnd.pending[lid] = newer
             actions.append(Combined(
                 t=now, learner=lid, fragment=p, steps=(older.step, newer.step),
                 base_versions=(older.base_version, newer.base_version),
                 c_steps=(older.c_steps, newer.c_steps), c_tokens=(older.c_tokens, newer.c_tokens)))
-        if rnd.first_arrival is None and c.base_version == version:
-            rnd.first_arrival = now
+        if c.base_version == version:
+            rnd.clock.arrived(now)
         if c.step_time > 0:
             self.step_times.setdefault(lid, Ema(self.config.syncer.ema_decay)).add(c.step_time)
         self._check_units(c, now, actions)
@@ -897,23 +720,23 @@ class SyncerCore:
         usual period per version its base is behind (a learner whose updates stopped
         arriving sends the drift since its base every time), at least 1 and at most
         ``GUARD_STEPS_CAP``. Nothing here changes the scale: norms enter the window when
-        they are merged (``_note_norms``), so a burst of sends within a round cannot
-        move it."""
-        norm = _norm(c.tensors, self.pool)
+        they are merged (``SyncerFragment.note_norms``), so a burst of sends within a
+        round cannot move it."""
+        norm = contribution_norm(c.tensors, self.pool)
         if not math.isfinite(norm):
             self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
-        median, steps = self.norm_scale[c.fragment], self.norm_steps[c.fragment]
+        frag = self.frags[c.fragment]
+        median = frag.norm_scale
         factor = self.config.syncer.norm_guard
         if factor > 0 and median is not None:
-            usual_steps = sorted(steps)[len(steps) // 2] if steps else 0
-            behind = self.versions[c.fragment] - c.base_version  # <= max_staleness, checked before
+            usual_steps = frag.guard_usual_steps()
+            behind = frag.version - c.base_version  # <= max_staleness, checked before
             work = min(GUARD_STEPS_CAP, (max(1.0, c.c_steps / usual_steps) if usual_steps > 0 else 1.0) + behind)
             bound = factor * median * work
             if norm > bound:
                 scale = bound / norm
-                window = self.norms[c.fragment]
-                raw = sorted(window)[(len(window) - 1) // 2]
+                raw = frag.window_median()
                 actions.append(Guarded(
                     t=now, learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
                     c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
@@ -926,53 +749,6 @@ class SyncerCore:
                             + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
                 return replace(c, tensors=tuple((t.to(torch.float64) * scale).to(t.dtype) for t in c.tensors))
         return c
-
-    def _keep(self, p: int, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], dict[Any, Any]]:
-        """Fragment ``p``'s value and outer optimizer state before a step, to roll back a
-        non-finite result (and to encode the downlink change from): copied into buffers
-        kept per fragment across merges, since a fresh clone of a large fragment costs a
-        page fault per 4 KiB, several times the copy itself."""
-        spare, spare_state = self._spare.get(p, ([], {}))
-        if [t.shape for t in spare] != [t.shape for t in self.theta[p]]:
-            spare = [t.detach().clone() for t in self.theta[p]]
-        else:
-            for o, t in zip(spare, self.theta[p]):
-                o.copy_(t)
-        state: dict[Any, Any] = {}
-        for k, st in opt.state.items():
-            kept = spare_state.get(k, {})
-            state[k] = {n: (kept[n].copy_(v) if isinstance(kept.get(n), torch.Tensor) and kept[n].shape == v.shape
-                            else v.clone()) if isinstance(v, torch.Tensor) else v for n, v in st.items()}
-        self._spare[p] = (spare, state)
-        return spare, state
-
-    def _note_norms(self, p: int, ids: Sequence[str], contribs: Sequence[Contribution]) -> None:
-        """Add the norms of a merge's contributions to fragment ``p``'s guard window, one
-        per learner (``contribs`` are each learner's combined work), leaving out those
-        with a clipped send this round; then update the guard's scale."""
-        window, steps = self.norms[p], self.norm_steps[p]
-        clipped = self.rounds[p].clipped
-        for lid, c in zip(ids, contribs):
-            if lid in clipped:
-                continue
-            norm = _norm(c.tensors, self.pool)
-            if norm > 0 and math.isfinite(norm):  # a zero delta says nothing about the scale
-                window.append(norm)
-                if c.c_steps > 0:
-                    steps.append(c.c_steps)
-        self._rescale(p)
-
-    def _rescale(self, p: int) -> None:
-        """Set fragment ``p``'s guard scale from its window: the lower median (with two
-        learners and one entry each per merge, the upper one would be the larger
-        learner's, so one liar beside one honest learner would set it), at most
-        ``GUARD_GROWTH`` x the previous scale."""
-        window = self.norms[p]
-        if len(window) < GUARD_MIN_NORMS:
-            return
-        median = sorted(window)[(len(window) - 1) // 2]
-        prev = self.norm_scale[p]
-        self.norm_scale[p] = median if prev is None else min(median, GUARD_GROWTH * prev)
 
     def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
         """Warn once per learner whose tokens per step look like other units than the
@@ -1004,10 +780,10 @@ class SyncerCore:
         still make it up are all in already, and without this close the leaver's last
         contribution would sit pending until someone joins, or forever."""
         expected = self.expected_learners()
-        for p, rnd in enumerate(self.rounds):
-            if not rnd.pending:
+        for p, frag in enumerate(self.frags):
+            if not frag.round.pending:
                 continue
-            fresh = {lid for lid, c in rnd.pending.items() if c.base_version == self.versions[p]}
+            fresh = {lid for lid, c in frag.round.pending.items() if c.base_version == frag.version}
             if expected <= fresh:
                 self._merge(p, now, actions, cause="leave")
         for key in self.moments.pending_keys():
@@ -1015,7 +791,7 @@ class SyncerCore:
                 self._merge_moments(key, now, actions)
 
     def _final_merge(self, now: float, actions: list[Action]) -> None:
-        pending = {p: sorted(rnd.pending) for p, rnd in enumerate(self.rounds) if rnd.pending}
+        pending = {p: sorted(f.round.pending) for p, f in enumerate(self.frags) if f.round.pending}
         actions.append(FinalMerged(t=now, fragments=tuple(sorted(pending)),
                                    learners={str(p): tuple(ids) for p, ids in pending.items()}))
         for p in pending:
@@ -1060,7 +836,7 @@ class SyncerCore:
         m = self.members.get(c.learner_id)
         if m is None or not m.connected:
             return "not_joined", "learner has not joined"
-        problem = self._check_tensors(mr.specs[c.fragment], c.tensors)
+        problem = check_tensors(mr.specs[c.fragment], c.tensors)
         if problem:
             return "layout", f"{c.kind} moments: {problem}"
         if c.c_steps < 0 or not c.c_tokens >= 0:
@@ -1105,41 +881,28 @@ class SyncerCore:
         """Quorum and early finish count only fresh contributions (based on the current
         version, i.e. newer than the last merge); stale ones ride along with the next
         round, so a lagging learner never triggers an extra outer step of its own."""
-        rnd = self.rounds[p]
-        version = self.versions[p]
-        fresh = {lid for lid, c in rnd.pending.items() if c.base_version == version}
+        frag = self.frags[p]
+        fresh = {lid for lid, c in frag.round.pending.items() if c.base_version == frag.version}
         if not fresh:
             return
         expected = self.expected_learners()
-        all_in = bool(expected) and expected <= fresh
-        if self.config.deterministic:
-            if all_in:
-                self._merge(p, now, actions)
-            return
-        if len(fresh) < self.config.syncer.min_quorum:
-            return
-        if rnd.quorum_at is None:
-            rnd.quorum_at = now
-            assert rnd.first_arrival is not None
-            self.xi_quorum.add(now - rnd.first_arrival)
-            rnd.deadline = now + self.grace()
-        assert rnd.deadline is not None
-        if all_in or now >= rnd.deadline:
+        if frag.round.clock.due(now, len(fresh), bool(expected) and expected <= fresh,
+                                deterministic=self.config.deterministic, min_quorum=self.config.syncer.min_quorum,
+                                grace=self.grace, on_quorum=self.xi_quorum.add):
             self._merge(p, now, actions)
 
-    def _anchored(self, p: int, c: Contribution) -> list[torch.Tensor]:
-        version = self.versions[p]
-        if self.config.syncer.anchoring != "syncer" or c.base_version == version:
+    def _anchored(self, frag: SyncerFragment, c: Contribution) -> list[torch.Tensor]:
+        if self.config.syncer.anchoring != "syncer" or c.base_version == frag.version:
             return list(c.tensors)
-        base = self.history[p][c.base_version]
-        return [d + (cur - b) for d, cur, b in zip(c.tensors, self.theta[p], base)]
+        return [d + (cur - b) for d, cur, b in zip(c.tensors, frag.theta, frag.value_at(c.base_version))]
 
     def _merge(self, p: int, now: float, actions: list[Action], cause: str | None = None) -> None:
         sc = self.config.syncer
-        rnd = self.rounds[p]
+        frag = self.frags[p]
+        rnd = frag.round
         ids = sorted(rnd.pending)
         contribs = [rnd.effective(i) for i in ids]
-        anchored = [self._anchored(p, c) for c in contribs]
+        anchored = [self._anchored(frag, c) for c in contribs]
         # Each send was finite on arrival, but a combined sum or a re-anchored one can overflow.
         bad = [i for i, a in zip(ids, anchored) if not all(_finite(t) for t in a)]
         if bad:
@@ -1147,14 +910,14 @@ class SyncerCore:
             keep = [k for k, i in enumerate(ids) if i not in bad]
             ids, contribs, anchored = [ids[k] for k in keep], [contribs[k] for k in keep], [anchored[k] for k in keep]
             if not ids:
-                self.rounds[p] = _Round()
+                frag.round = Round()
                 return
         absent_ids = self._absent(p, ids)
         counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self.last_counts[a] for a in absent_ids]
         raw_all = merge_weights(sc.weighting, [t for t, _ in counts], [s for _, s in counts])
         raw, absent_weight = raw_all[: len(ids)], math.fsum(raw_all[len(ids):])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
-        spec = self.fragments[p]
+        spec = frag.spec
         merged = merge_deltas(
             anchored,
             raw,
@@ -1164,45 +927,31 @@ class SyncerCore:
             spec.variance_of,  # BatchNorm variances pool with their means' spread
             self.pool,
         )
-        opt = self.optimizers[p]
         # The outer step runs on the live tensors (torch.optim has no out-of-place step),
         # so the previous value and optimizer state are kept to roll back a non-finite result.
-        old, old_state = self._keep(p, opt)
-        for theta, g, t in zip(self.theta[p], merged, spec.tensors):
+        old, old_state = frag.keep()
+        for theta, g, t in zip(frag.theta, merged, spec.tensors):
             theta.grad = None if t.is_buffer else g
-        opt.step()  # tensors without .grad (buffers) are left alone by torch.optim
+        frag.optimizer.step()  # tensors without .grad (buffers) are left alone by torch.optim
         with torch.no_grad():
-            for theta, g, t in zip(self.theta[p], merged, spec.tensors):
+            for theta, g, t in zip(frag.theta, merged, spec.tensors):
                 theta.grad = None
                 if t.is_buffer:
                     # Theta_b - mean(Theta_b - b_m) = the weighted mean of the learners' b_m.
                     theta.sub_(g)
-            if not all(_finite(t) for t in self.theta[p]):
-                for theta, o in zip(self.theta[p], old):
-                    theta.copy_(o)
-                opt.state.clear()
-                # Copies: the kept buffers are overwritten by the next merge's ``_keep``.
-                opt.state.update({k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
-                                  for k, st in old_state.items()})
+            if not all(_finite(t) for t in frag.theta):
+                frag.roll_back(old, old_state)
                 self._drop(p, now, ids, "the merge and outer step gave a non-finite value", actions)
-                self.rounds[p] = _Round()
+                frag.round = Round()
                 return
         delta = self._compress_change(p, old) if self.downlink is not None else None
-        round_index = self.versions[p]
-        self.versions[p] += 1
-        version = self.versions[p]
-        if sc.anchoring == "syncer":
-            hist = self.history[p]
-            evicted = [hist.pop(v) for v in [v for v in hist if v < version - sc.max_staleness]]
-            # An evicted version's tensors take the new one: copying into memory already
-            # touched is several times faster than filling a fresh allocation.
-            hist[version] = ([o.copy_(t) for o, t in zip(evicted[0], self.theta[p])] if evicted
-                             else [t.clone() for t in self.theta[p]])
-        self.current[p] = self._snapshot(p, delta)
+        round_index = frag.version
+        version = frag.advance(sc.max_staleness, delta)
         expected = self.expected_learners()
         to = self.connected_learners()
-        first = now if rnd.first_arrival is None else rnd.first_arrival
-        actions.append(SendUpdate(self.current[p], to))
+        clock = rnd.clock
+        first = now if clock.first_arrival is None else clock.first_arrival
+        actions.append(SendUpdate(frag.current, to))
         actions.append(
             Merged(
                 t=now,
@@ -1216,9 +965,9 @@ class SyncerCore:
                 absent_share=_share(absent_weight, raw),
                 tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
                 gains=gains,
-                quorum_s=None if rnd.quorum_at is None else rnd.quorum_at - first,
+                quorum_s=None if clock.quorum_at is None else clock.quorum_at - first,
                 wait_s=now - first,
-                grace_s=None if rnd.deadline is None or rnd.quorum_at is None else rnd.deadline - rnd.quorum_at,
+                grace_s=None if clock.deadline is None or clock.quorum_at is None else clock.deadline - clock.quorum_at,
                 codecs={i: rnd.pending[i].encoded[0].codec if rnd.pending[i].encoded else "none" for i in ids},
                 bytes_in=sum(self._bytes_in(p, rnd.pending[i]) + rnd.carried_bytes.get(i, 0) for i in ids),
                 bytes_out=(spec.nbytes if delta is None else sum(e.nbytes() for e in delta)) * len(to),
@@ -1228,9 +977,9 @@ class SyncerCore:
         for lid, c in zip(ids, contribs):
             self.last_counts[lid] = (c.c_tokens, c.c_steps)
             self.last_merged[(lid, p)] = version
-        self._note_norms(p, ids, contribs)
-        self.rounds[p] = _Round()
-        self._watch_gains(p, gains, now, actions)
+        frag.note_norms(ids, contribs, self.pool)
+        frag.round = Round()
+        self._watch_gains(frag, gains, now, actions)
 
     def _absent(self, p: int, ids: Sequence[str]) -> list[str]:
         """Connected learners missing from fragment ``p``'s round of ``ids`` that count as
@@ -1238,33 +987,32 @@ class SyncerCore:
         versions (a joined peer that never contributes, or stopped, is not counted)."""
         if not self.config.syncer.count_absent:
             return []
-        recent = self.versions[p] - self.config.syncer.max_staleness
+        recent = self.frags[p].version - self.config.syncer.max_staleness
         return sorted(lid for lid in set(self.connected_learners()) - set(ids)
                       if (lid, p) in self.last_merged and self.last_merged[(lid, p)] >= recent)
 
     def _drop(self, p: int, now: float, ids: list[str], reason: str, actions: list[Action]) -> None:
         """Drop the pending work of ``ids`` from fragment ``p``'s round, logged; the
         version is not bumped when nothing else merges (the learners send again)."""
-        rnd = self.rounds[p]
+        frag = self.frags[p]
         for lid in ids:
-            rnd.pending.pop(lid, None)
-            rnd.carried.pop(lid, None)
-            rnd.carried_bytes.pop(lid, None)
+            frag.round.drop(lid)
         self.rejected += len(ids)
         actions.append(Dropped(
-            t=now, fragment=p, dropped=tuple(ids), version=self.versions[p],
+            t=now, fragment=p, dropped=tuple(ids), version=frag.version,
             reason=(f"fragment {p}: dropped the contributions of {', '.join(ids)}: {reason}; "
                     "the global value was not changed by them")))
 
-    def _watch_gains(self, p: int, gains: dict[str, float], now: float, actions: list[Action]) -> None:
+    def _watch_gains(self, frag: SyncerFragment, gains: dict[str, float], now: float,
+                     actions: list[Action]) -> None:
         """Warn when applying this fragment's merges keeps making the learners' models
         worse (a harmful outer step: e.g. an outer learning rate or momentum too high)."""
         if not gains:
             return
         values = sorted(gains.values())
-        self.merge_gain[p] = median = values[len(values) // 2]
-        self._harmful_streak[p] = self._harmful_streak[p] + 1 if median < -HARMFUL_LOSS else 0
-        if self._harmful_streak[p] == HARMFUL_STREAK:
+        median = values[len(values) // 2]
+        if frag.note_gain(median, HARMFUL_LOSS) == HARMFUL_STREAK:
+            p = frag.index
             actions.append(MergeHarmful(
                 t=now, fragment=p, streak=HARMFUL_STREAK, median_gain=median,
                 reason=(f"fragment {p}: the last {HARMFUL_STREAK} merged values each made the learners' probe "

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch
 
+from rackmend.core.fragments import layout_from_wire
+from rackmend.core.syncer_fragment import named_global_values
 from rackmend.demo.spec import ArmSpec, RunSettings, config_to_dict
 from rackmend.demo.worker import GO_FILE, metrics_path
 from rackmend.netem import LinkEmulator
@@ -455,10 +457,7 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
             if not final and (versions in seen or versions not in written):
                 continue
             seen.add(versions)
-            state = {}
-            for p, frag in enumerate(meta["layout"]):
-                for i, entry in enumerate(frag["tensors"]):
-                    state[entry[0]] = fh.get_tensor(f"theta/{p}/{i}")
+            state = named_global_values(fh, layout_from_wire(meta["layout"]))
         model.load_state_dict(state, strict=True)
         # The final global model is what all the training produced: it stands at every
         # token trained (equal-step arms then compare at exactly equal tokens).

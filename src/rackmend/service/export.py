@@ -40,6 +40,7 @@ from rackmend.core.fragments import (
     unwrap_model,
 )
 from rackmend.core.shards import Shard, parse_shard
+from rackmend.core.syncer_fragment import named_global_values
 from rackmend.service.checkpoint import CHECKPOINT_NAME
 
 __all__ = ["ExportError", "ExportResult", "export_model", "read_global_model", "add_arguments", "main"]
@@ -145,22 +146,10 @@ def _read_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torc
             except (ValueError, AttributeError) as exc:
                 raise ExportError(f"{path}: the checkpoint's metadata is corrupt ({exc}); use an earlier copy "
                                   "of the checkpoint") from None
-            keys = set(f.keys())
-            out: dict[str, torch.Tensor] = {}
-            for frag in shard.fragments(layout):
-                for i, spec in enumerate(frag.tensors):
-                    key = f"theta/{frag.index}/{i}"
-                    if key not in keys:
-                        raise ExportError(f"{path} lacks {key} ({spec.name}): the checkpoint is corrupt or "
-                                          "incomplete")
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                        raise ExportError(
-                            f"{path}: {key} is {dtype_name(t.dtype)} {list(t.shape)} but the layout says {spec.name} "
-                            f"is {dtype_name(spec.dtype)} {list(spec.shape)}: the checkpoint is corrupt")
-                    if spec.name in out:
-                        raise ExportError(f"{path}: the layout names {spec.name} twice: the checkpoint is corrupt")
-                    out[spec.name] = t
+            try:
+                out = named_global_values(f, shard.fragments(layout))
+            except ValueError as exc:
+                raise ExportError(f"{path}: {exc}") from None
     except SafetensorError as exc:
         raise ExportError(f"{path} cannot be read as safetensors ({exc}): the file is corrupt or truncated; "
                           "use an earlier copy of the checkpoint") from None

@@ -46,6 +46,7 @@ from rackmend.core.settings import (LearnerSettings, Mismatch, SyncerSettings, p
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.shards import owner as owner_shard
 from rackmend.core.records import Incomplete, Joined, Left, Merged, PieceDropped, Rejected, SyncerRecord
+from rackmend.core.syncer_fragment import global_values
 from rackmend.core.syncer import (
     Action,
     ContributionArrived,
@@ -778,7 +779,7 @@ class SyncerService:
                     self._record(line)
             elif isinstance(action, SyncerRecord):
                 self._log_record(self.shard.record(action))
-        for upd in self.core.current:
+        for upd in (f.current for f in self.core.frags):
             if peer.owns(upd.fragment):
                 self._send_update(ident, upd, self._update_frames(peer, upd, reset=True), reset=True)
 
@@ -991,7 +992,7 @@ class SyncerService:
             raise wire.WireError(f"fetch for unknown fragment {str(p)[:20]}")
         if not peer.owns(p):
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
-        upd = self.core.current[p]
+        upd = self.core.frags[p].current
         self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
                     version=upd.version)
         self._send_update(ident, upd, self._update_frames(peer, upd, full=True))
@@ -1274,16 +1275,18 @@ class SyncerService:
         fragments: list[dict[str, Any]] = []
         for p, spec in enumerate(core.fragments if core is not None else ()):
             assert core is not None
-            rnd, last = core.rounds[p], self._last_merge.get(self.shard.to_global(p))
+            frag, last = core.frags[p], self._last_merge.get(self.shard.to_global(p))
+            rnd, clock = frag.round, frag.round.clock
             fragments.append({
                 "fragment": self.shard.to_global(p),
-                "version": core.versions[p],
+                "version": frag.version,
                 "tensors": len(spec.tensors),
                 "bytes": spec.nbytes,
+                "phase": clock.phase.value,
                 "waiting": sorted(rnd.pending),
-                "fresh": sorted(lid for lid, c in rnd.pending.items() if c.base_version == core.versions[p]),
-                "round_age_s": age(rnd.first_arrival),
-                "grace_left_s": None if rnd.deadline is None else round(rnd.deadline - now, 3),
+                "fresh": sorted(lid for lid, c in rnd.pending.items() if c.base_version == frag.version),
+                "round_age_s": age(clock.first_arrival),
+                "grace_left_s": None if clock.deadline is None else round(clock.deadline - now, 3),
                 "last_merge_age_s": age(last["t"]) if last else None,
                 "last_merged": last["merged"] if last else [],
             })
@@ -1326,7 +1329,10 @@ class SyncerService:
                               "resume it with the --shard it was started with")
         self._layout = layout_from_wire(meta["layout"])
         layout = self.shard.fragments(self._layout)
-        values = [[tensors[f"theta/{p}/{i}"] for i in range(len(f.tensors))] for p, f in enumerate(layout)]
+        try:
+            values = global_values(tensors, layout)
+        except ValueError as exc:
+            raise ConfigError(f"resume: the checkpoint in {self.service.checkpoint_dir}: {exc}") from None
         first = meta.get("first_learner")
         if first is not None:
             self._first = (first["learner"], LearnerSettings(**first["settings"]))

@@ -812,7 +812,7 @@ class Simulation:
             version_lag_median=statistics.median(self._lags) if self._lags else None,
             version_lag_max=max(self._lags) if self._lags else None,
             max_merge_gap=max(known) if known else None, max_merge_gap_per_fragment=tuple(gaps),
-            global_loss=self.loss([theta for (theta,) in self.syncer.theta]),
+            global_loss=self.loss([theta for (theta,) in (f.theta for f in self.syncer.frags)]),
             optimum_loss=self.loss(centre),
             initial_loss=self.loss(self.start), warnings=tuple(self.warnings), goodput=goodput)
 
