@@ -23,6 +23,7 @@ from rackmend.core.records import Guarded, Rejected, SyncerRecord
 from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate, SyncerCore
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
+from rackmend.transport.base import LearnerLink
 
 from helpers import (assert_equal_to_reference, assert_files_equal_reference, batch, make_inner, make_model,
                      run_inprocess, train)
@@ -320,15 +321,15 @@ def test_wire_round_trip_and_checks() -> None:
 
 
 def test_a_link_without_moments_is_refused() -> None:
-    class PlainLink:  # a LearnerLink of an older transport: parameters only
-        rank, world_size = 0, 1
+    class PlainLink(LearnerLink):  # a transport that carries parameters only
+        def refused(self, *args, **kwargs):
+            raise AssertionError("must be refused before it is used")
 
-        def join(self, *args, **kwargs):
-            raise AssertionError("must be refused before joining")
+        join = send = poll = wait = leave = refused
 
     model = make_model()
     with pytest.raises(ConfigError, match="send_moments"):
-        RackmendOptimizer(model, make_inner(model), _config(1, 1), PlainLink(), learner_id="l0")  # type: ignore[arg-type]
+        RackmendOptimizer(model, make_inner(model), _config(1, 1), PlainLink(), learner_id="l0")
 
 
 def test_syncer_and_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path) -> None:

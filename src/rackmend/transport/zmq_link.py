@@ -85,6 +85,8 @@ def _ranks(process_group: Any) -> tuple[int, int]:
 class ZmqLink(QueueLink):
     """LearnerLink over ZeroMQ. ``endpoint`` like ``tcp://127.0.0.1:5555``."""
 
+    carries_moments = True
+
     def __init__(
         self,
         endpoint: str,
@@ -155,7 +157,7 @@ class ZmqLink(QueueLink):
         self._hello: list[Any] = []
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_received: int = 0
         self.dropped_sends = 0
         """Heartbeats not sent because the syncer was unreachable at that moment."""
         self._outbox = Outbox()
