@@ -157,7 +157,7 @@ class ZmqLink(QueueLink):
         self._hello: list[Any] = []
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
-        self.bytes_received: int = 0
+        self.bytes_received = 0
         self.dropped_sends = 0
         """Heartbeats not sent because the syncer was unreachable at that moment."""
         self._outbox = Outbox()
