@@ -13,14 +13,15 @@ from __future__ import annotations
 import dataclasses
 
 from _common import finish, parser
-from rackmend.demo.threads import DemoSettings, arm_configs, train_arm
+from rackmend.demo.spec import arm_specs
+from rackmend.demo.threads import thread_settings, train_arm
 from rackmend.workloads import ByteCorpus
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    s = DemoSettings(steps=120 if args.quick else 240)
-    base = arm_configs(s)["rackmend"]
+    s = thread_settings(steps=120 if args.quick else 240, evals=4)
+    base = arm_specs(s)["rackmend"].config
     sc = base.syncer
     variants = {
         "deterministic": dataclasses.replace(base, deterministic=True),
@@ -37,7 +38,7 @@ def main() -> None:
         r = train_arm(name, config, s, corpus)
         rows[name] = {"points": r.points, "final": r.points[-1][2], "merges": r.merges}
         print(f"{name:<16} {r.points[-1][2]:>10.3f} {r.merges:>7}  " + " ".join(f"{p[2]:.2f}" for p in r.points))
-    finish("anchoring", args.out, {"inputs": {"steps": s.steps, "learners": s.learners}, "rows": rows},
+    finish("anchoring", args.out, {"inputs": {"steps": s.max_steps, "learners": s.learners}, "rows": rows},
            {f"{k}_loss": v["final"] for k, v in rows.items()})
 
 

@@ -38,7 +38,7 @@ import torch
 
 from _common import finish, parser
 from rackmend.config import RackmendConfig, ScheduleConfig, SyncerConfig
-from rackmend.demo.threads import DemoSettings, train_arm
+from rackmend.demo.threads import thread_settings, train_arm
 from rackmend.workloads import ByteCorpus
 
 H_DEFAULT = 16
@@ -78,7 +78,7 @@ GUARD_EVENTS: list[int] = []
 
 def run(cfg: RackmendConfig, learners: int, steps_total: int, seed: int, corpus: ByteCorpus) -> float:
     """Held-out loss of the global model after ``steps_total`` learner steps in all."""
-    s = DemoSettings(learners=learners, steps=steps_total // learners, seed=seed, evals=1)
+    s = thread_settings(learners=learners, steps=steps_total // learners, seed=seed, evals=1)
     result = train_arm("q", cfg, s, corpus)
     GUARD_EVENTS.append(result.guard_events)
     return result.points[-1][2]
@@ -160,9 +160,9 @@ def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[st
                 slow = 1.18 if idx >= M // 2 else 1.0
                 return base_s * slow * rng.uniform(0.9, 1.1)
 
-            s = DemoSettings(learners=M, steps=steps, seed=seed, evals=4, step_delay=delay)
+            s = thread_settings(learners=M, steps=steps, seed=seed, evals=4)
             t0 = time.perf_counter()
-            r = train_arm(name, cfg, s, corpus)
+            r = train_arm(name, cfg, s, corpus, step_delay=delay)
             this[name] = {"seed": seed, "points": r.points, "loss": r.points[-1][2],
                           "wall_s": time.perf_counter() - t0, "merges": r.merges}
             print(f"{seed:>4} {name:<22} {this[name]['loss']:>21.3f} {this[name]['wall_s']:>8.1f} {r.merges:>7}",

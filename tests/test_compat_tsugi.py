@@ -19,6 +19,7 @@ from rackmend.config import ConfigError
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import fragment_offsets
 from rackmend.core.messages import Update
+from rackmend.core.records import MomentsMerged
 from rackmend.core.settings import SyncerSettings
 from rackmend.learner import RackmendOptimizer
 from rackmend.service.cli import add_syncer_arguments, build, resolve
@@ -191,7 +192,7 @@ def test_des_loc_and_fail_slow_detection_map_to_rackmends(one_thread: None, tmp_
     finally:
         mend_shutdown(model)
         hub.close()
-    kinds = {e["kind"] for e in hub.events if e["event"] == "moments"}
+    kinds = {r.kind for r in hub.records if isinstance(r, MomentsMerged)}
     assert kinds == {"exp_avg", "exp_avg_sq"}, f"no DES-LOC moment rounds (got {kinds})"
     diag = [json.loads(line) for line in (tmp_path / "diag" / "l0.jsonl").read_text().splitlines()]
     slow = [d for d in diag if d["event"] == "fail_slow"]

@@ -191,8 +191,9 @@ def test_bad_codec_specs_name_the_choices(spec: str, fragment: str) -> None:
 def test_lossy_codec_on_a_low_precision_model_fails_at_construction(dtype: torch.dtype) -> None:
     model = make_model().to(dtype)
     config = _config(2, 1, 1, "int4")
-    with pytest.raises(ConfigError, match=r"emb\.weight is torch\.(float16|bfloat16)"):
-        RackmendOptimizer(model, make_inner(model), config, link=None, learner_id="l0")  # type: ignore[arg-type]
+    with InProcessSyncer.for_model(_config(2, 1, 1), model) as hub, \
+            pytest.raises(ConfigError, match=r"emb\.weight is torch\.(float16|bfloat16)"):
+        RackmendOptimizer(model, make_inner(model), config, hub.connect(), learner_id="l0")
     with pytest.raises(ConfigError, match="downlink"):
         InProcessSyncer.for_model(_config(2, 1, 1, downlink="int8"), model)
     # Lossless stays allowed for any dtype.

@@ -19,10 +19,11 @@ from rackmend.config import ConfigError
 from rackmend.core.fragments import fragment_tensors, pack_fragments
 from rackmend.core.messages import MomentContribution, moment_spec
 from rackmend.core.settings import LearnerSettings, peer_mismatch, syncer_mismatch
-from rackmend.core.records import Guarded, Rejected, SyncerRecord
+from rackmend.core.records import Dropped, Guarded, MomentsMerged, Rejected, SyncerRecord
 from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate, SyncerCore
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
 from rackmend.transport import wire
+from rackmend.transport.base import LearnerLink
 
 from helpers import (assert_equal_to_reference, assert_files_equal_reference, batch, make_inner, make_model,
                      run_inprocess, train)
@@ -59,10 +60,10 @@ def test_bit_exact_against_reference(M: int, P: int, periods: tuple[int | None, 
     ref_moments: dict[tuple[int, str], list[torch.Tensor]] = {}
     ref_models, ref_theta = reference_run(make_model, make_inner, batch, config, _ids(M), STEPS, ref_moments)
     assert_equal_to_reference(models, hub, ref_models, ref_theta)
-    rounds = [e for e in hub.events if e["event"] == "moments"]
-    assert {(e["fragment"], e["kind"]) for e in rounds} == set(ref_moments) == {
+    rounds = [r for r in hub.records if isinstance(r, MomentsMerged)]
+    assert {(r.fragment, r.kind) for r in rounds} == set(ref_moments) == {
         (p, k) for p in range(P) for k in ("exp_avg", "exp_avg_sq")}, "every fragment's moments were averaged"
-    assert all(e["merged"] == _ids(M) for e in rounds)
+    assert all(list(r.merged) == _ids(M) for r in rounds)
     for key, values in ref_moments.items():
         for a, b in zip(hub.core.moments.current[key].tensors, values):
             assert torch.equal(a, b), f"the syncer's {key} moments differ from the reference"
@@ -320,15 +321,15 @@ def test_wire_round_trip_and_checks() -> None:
 
 
 def test_a_link_without_moments_is_refused() -> None:
-    class PlainLink:  # a LearnerLink of an older transport: parameters only
-        rank, world_size = 0, 1
+    class PlainLink(LearnerLink):  # a transport that carries parameters only
+        def refused(self, *args, **kwargs):
+            raise AssertionError("must be refused before it is used")
 
-        def join(self, *args, **kwargs):
-            raise AssertionError("must be refused before joining")
+        join = send = poll = wait = leave = refused
 
     model = make_model()
     with pytest.raises(ConfigError, match="send_moments"):
-        RackmendOptimizer(model, make_inner(model), _config(1, 1), PlainLink(), learner_id="l0")  # type: ignore[arg-type]
+        RackmendOptimizer(model, make_inner(model), _config(1, 1), PlainLink(), learner_id="l0")
 
 
 def test_syncer_and_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path) -> None:
@@ -432,12 +433,12 @@ def test_asynchronous_run_averages_and_applies_moments() -> None:
     # 24 periods: the learner threads must overlap in time for rounds of two to close,
     # and on a loaded machine one can start seconds after the other.
     _, hub = run_inprocess(config, _ids(2), 24 * H, optimizers=optimizers)
-    rounds = [e for e in hub.events if e["event"] == "moments"]
-    assert {(e["fragment"], e["kind"]) for e in rounds} == {(p, k) for p in range(2) for k in ("exp_avg", "exp_avg_sq")}
+    rounds = [r for r in hub.records if isinstance(r, MomentsMerged)]
+    assert {(r.fragment, r.kind) for r in rounds} == {(p, k) for p in range(2) for k in ("exp_avg", "exp_avg_sq")}
     for lid, opt in optimizers.items():
         versions = {(p, k): m.version for p, ms in enumerate(opt.core.moments) for k, m in ms.items()}
         assert all(v >= 1 for v in versions.values()), f"{lid} applied no averaged moments: {versions}"
-    assert not [e for e in hub.events if e["event"] in ("reject", "merge_dropped")]
+    assert not [r for r in hub.records if isinstance(r, (Rejected, Dropped))]
 
 
 def test_multi_rank_learners_are_refused() -> None:

@@ -165,9 +165,13 @@ class Fleet:
         self.now += STEPS * 0.1 * fleet
         return merges
 
-    def failslow(self, since: int = 0) -> list[dict]:
-        """The fail-slow records from ``log[since]`` on, as their log lines."""
-        return [r.to_record() for r in self.log[since:] if isinstance(r, FailSlowNoted)]
+    def failslow(self, since: int = 0) -> list[FailSlowNoted]:
+        """The fail-slow records from ``log[since]`` on."""
+        return [r for r in self.log[since:] if isinstance(r, FailSlowNoted)]
+
+    def rungs(self, since: int = 0) -> list[type]:
+        """The rung of each fail-slow record from ``log[since]`` on."""
+        return [type(r.action) for r in self.failslow(since)]
 
 
 def test_core_walks_the_ladder_and_back() -> None:
@@ -181,11 +185,11 @@ def test_core_walks_the_ladder_and_back() -> None:
 
     for _ in range(20):  # c turns 2x slow
         fleet.round(factor=2.0)
-    names = [r["event"] for r in fleet.failslow()]
-    assert names[:2] == ["failslow_slow", "failslow_advise"], names
-    slow = fleet.failslow()[0]
-    assert slow["learner"] == "c" and slow["rank"] == 1 and 1.8 < slow["ratio"] < 2.2 and slow["steps"] >= 10
-    assert "rounds stop waiting" in slow["reason"]
+    assert fleet.rungs()[:2] == [StopExpecting, AdviseLearner], fleet.rungs()
+    noted = fleet.failslow()[0]
+    slow = noted.action.report
+    assert slow.learner == "c" and slow.rank == 1 and 1.8 < slow.ratio < 2.2 and slow.steps >= 10
+    assert "rounds stop waiting" in noted.reason
     stop, advise = fleet.typed[:2]
     assert isinstance(stop, StopExpecting) and stop.report.learner == "c" and stop.report.state == "slow"
     assert isinstance(advise, AdviseLearner) and advise.report.state == "slow" and advise.report.rank == 1
@@ -200,9 +204,9 @@ def test_core_walks_the_ladder_and_back() -> None:
     assert "c" in merges[0]["merged"] and merges[0]["weights"]["c"] > 0
 
     # Its cost (0.1 s extra per step x steps x 2 others) passes failslow_evict_cost=6 s.
-    assert [r["event"] for r in fleet.failslow()][2:4] == ["failslow_evict", "failslow_advise"]
-    evict = [r for r in fleet.failslow() if r["event"] == "failslow_evict"]
-    assert len(evict) == 1 and 6.0 <= evict[0]["cost_s"] < 8.0
+    assert fleet.rungs()[2:4] == [MarkForEviction, AdviseLearner]
+    evict = [r.action.report for r in fleet.failslow() if isinstance(r.action, MarkForEviction)]
+    assert len(evict) == 1 and 6.0 <= evict[0].cost_s < 8.0
     assert any(isinstance(a, MarkForEviction) for a in fleet.typed)
     assert any(isinstance(a, AdviseLearner) and a.report.state == "evict" for a in fleet.typed)
 
@@ -213,7 +217,7 @@ def test_core_walks_the_ladder_and_back() -> None:
     assert len(restored) == 1 and restored[0].report.learner == "c"
     told = [a for a in fleet.typed[before:] if isinstance(a, AdviseLearner)]
     assert [a.report.state for a in told] == ["restored"]
-    assert [r["event"] for r in fleet.failslow()][-2:] == ["failslow_restore", "failslow_advise"]
+    assert fleet.rungs()[-2:] == [RestoreLearner, AdviseLearner]
     assert core.expected_learners() == {"a", "b", "c"}  # rounds wait for it again
 
 
@@ -224,7 +228,7 @@ def test_a_slowdown_the_whole_fleet_shares_is_not_fail_slow() -> None:
         fleet.round()
     for _ in range(30):
         fleet.round(fleet=1.5)  # everyone 1.5x: longer sequences, a shared filesystem...
-    assert [r for r in fleet.failslow() if r["event"] == "failslow_slow"] == []
+    assert StopExpecting not in fleet.rungs()
     assert core.expected_learners() == {"a", "b", "c"}
 
 
@@ -323,7 +327,7 @@ def test_detector_state_survives_a_syncer_checkpoint(tmp_path: Path) -> None:
         for _ in range(30):
             f.round()
     after = fleet.failslow(seen)
-    assert "failslow_restore" in [r["event"] for r in after]
+    assert RestoreLearner in fleet.rungs(seen)
     assert twin.failslow() == after
     assert resumed.expected_learners() == {"a", "b", "c"}
     assert resumed.failslow.state_dict() == core.failslow.state_dict()

@@ -24,6 +24,7 @@ from rackmend import (
     ZmqLink,
 )
 from rackmend.core.fragments import pack_fragments
+from rackmend.core.records import TokenUnits
 from rackmend.learner.optimizer import ResumeOrderError
 from rackmend.transport.base import TransportError
 
@@ -105,7 +106,7 @@ def test_step_without_tokens_uses_tokens_per_step() -> None:
     assert merges
     for e in merges:
         assert 0.2 < e["weights"]["l1"] < 0.8, e["weights"]
-    assert not [e for e in hub.events if e["event"] == "token_units"]
+    assert not [r for r in hub.records if isinstance(r, TokenUnits)]
 
 
 def test_rack_counting_steps_beside_racks_counting_tokens_is_reported(caplog: pytest.LogCaptureFixture) -> None:
@@ -114,8 +115,8 @@ def test_rack_counting_steps_beside_racks_counting_tokens_is_reported(caplog: py
     base = _config()
     caplog.set_level(logging.WARNING)
     hub = _two_racks({"l0": base, "l1": base}, {"l0": True, "l1": False})
-    units = [e for e in hub.events if e["event"] == "token_units"]
-    assert units and {e["learner"] for e in units} <= {"l0", "l1"}
+    units = [r for r in hub.records if isinstance(r, TokenUnits)]
+    assert units and {r.learner for r in units} <= {"l0", "l1"}
     assert "tokens_per_step" in caplog.text and "weigh" in caplog.text
     assert any("step() got no tokens" in r.getMessage() for r in caplog.records)
 

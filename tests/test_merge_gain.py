@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
+from rackmend.core.records import MergeHarmful
 from rackmend.core.syncer import HARMFUL_LOSS, HARMFUL_STREAK
 from rackmend.transport.inprocess import InProcessSyncer
 
@@ -69,9 +70,9 @@ def test_an_absurd_outer_step_shows_as_negative_gain_and_a_warning(caplog: pytes
     assert absurd[0] < -0.1 and sane[0] > absurd[0] + 0.1, (sane[0], absurd[0])
     measured = [g for gains in absurd[2].values() for g in gains]
     assert all(g is not None for g in measured) and statistics.median(measured) < 0, absurd[2]
-    harmful = [e for e in absurd[1].events if e["event"] == "merge_harmful"]
-    assert harmful and "outer_lr" in harmful[0]["reason"]
-    assert not [e for e in sane[1].events if e["event"] == "merge_harmful"]
+    harmful = [r for r in absurd[1].records if isinstance(r, MergeHarmful)]
+    assert harmful and "outer_lr" in harmful[0].reason
+    assert not [r for r in sane[1].records if isinstance(r, MergeHarmful)]
     assert "outer step is probably too large" in caplog.text, "the warning did not reach the log"
 
 

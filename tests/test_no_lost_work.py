@@ -31,6 +31,7 @@ from rackmend.core import (
 )
 from rackmend.core.merge import contribution_weight
 from rackmend.core.records import Combined, FinalMerged, Merged, Superseded, SyncerRecord
+from rackmend.transport.base import LearnerLink
 
 from helpers import batch, make_inner, make_model, train
 from test_syncer_core import contrib, events, make_core, merges, N
@@ -68,7 +69,7 @@ class StepHub:
         return [r.to_record() for r in self.records if isinstance(r, kind)]
 
 
-class StepLink:
+class StepLink(LearnerLink):
     """``LearnerLink`` for one learner of a ``StepHub``. Nothing arrives while a
     learner waits (one thread), so ``wait`` answers from what is already there."""
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.assembly import Assembler
-from rackmend.core.records import Incomplete, PieceDropped
+from rackmend.core.records import Incomplete, Merged, PieceDropped
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece, cover_problem, cut, differing_copies, owner, pieces_problem, whole_pieces
@@ -161,8 +161,8 @@ def test_a_plain_model_with_empty_tensors_stays_plain_and_equals_the_reference(o
     models, hub = run_inprocess(config, ids, steps, model_fn=_with_empty_tensors, optimizers=optimizers)
     assert not any(opt.core.layout.sharded for opt in optimizers.values())
     assert {name for f in hub.core.fragments for name in f.names} >= {"unused", "nothing"}
-    merges = [e for e in hub.events if e["event"] == "merge"]
-    assert sorted({e["fragment"] for e in merges}) == [0, 1] and all(e["merged"] == ids for e in merges)
+    merges = [r for r in hub.records if isinstance(r, Merged)]
+    assert sorted({r.fragment for r in merges}) == [0, 1] and all(list(r.merged) == ids for r in merges)
     ref_models, ref_theta = reference_run(_with_empty_tensors, make_inner, batch, config, ids, steps)
     assert_equal_to_reference(models, hub, ref_models, ref_theta)
 

@@ -22,7 +22,7 @@ from torch import nn
 from helpers import make_inner, make_model, train
 
 
-class RecordingLink:
+class RecordingLink(LearnerLink):
     """A real in-process link, recording each call (and on which thread), with the faults
     a send thread must not hide: a send that fails (``fail_at``: the n-th; ``failed`` is
     set once it has raised), a slow one (``send_delay``), and sends held until the test
@@ -38,7 +38,6 @@ class RecordingLink:
         self.calls: list[tuple[str, str, int, int]] = []
         """(call, thread name, fragment, step)."""
         self.released: list[bool] = []
-        self.rank, self.world_size = 0, 1
 
     def join(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self.inner.join(*args, **kwargs)
@@ -74,8 +73,8 @@ def _learner(hub: InProcessSyncer, config: RackmendConfig,
              **faults: float) -> tuple[nn.Module, RecordingLink, RackmendOptimizer]:
     """A learner of the tests' TinyLM on a recording link to ``hub``."""
     model = make_model()
-    link = RecordingLink(hub.connect(), **faults)  # type: ignore[arg-type]
-    opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")  # type: ignore[arg-type]
+    link = RecordingLink(hub.connect(), **faults)  # type: ignore[arg-type]  # faults: floats and an Event
+    opt = RackmendOptimizer(model, make_inner(model), config, link, learner_id="l0")
     return model, link, opt
 
 

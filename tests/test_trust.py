@@ -319,7 +319,8 @@ def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:
 
 def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     from rackmend.demo import threads
-    from rackmend.demo.threads import DemoSettings, arm_configs, train_arm
+    from rackmend.demo.spec import arm_specs
+    from rackmend.demo.threads import thread_settings, train_arm
     from rackmend.workloads import ByteCorpus, GPTConfig
 
     torch.set_num_threads(1)
@@ -331,9 +332,9 @@ def test_honest_demo_run_never_trips_the_guard(monkeypatch: pytest.MonkeyPatch) 
         return hubs[-1]
 
     monkeypatch.setattr(threads.InProcessSyncer, "for_model", capture)
-    s = DemoSettings(learners=3, steps=64, batch_size=8, sync_every=8, fragments=2, overlap=1, evals=1,
+    s = thread_settings(learners=3, steps=64, batch_size=8, sync_every=8, fragments=2, overlap=1, evals=1,
                      model=GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64))
-    train_arm("rackmend", arm_configs(s)["rackmend"], s, ByteCorpus())
+    train_arm("rackmend", arm_specs(s)["rackmend"].config, s, ByteCorpus())
     (hub,) = hubs
     merges = hub.merges()
     assert len(merges) >= 10

@@ -14,14 +14,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import torch
 
 from rackmend.demo.spec import RunSettings, config_from_dict
 
-__all__ = ["main", "metrics_path", "GO_FILE"]
+if TYPE_CHECKING:
+    from rackmend.learner.optimizer import RackmendOptimizer
+
+__all__ = ["main", "metrics_path", "train_steps", "StepDone", "GO_FILE"]
 
 GO_FILE = "go.json"
 _GO_TIMEOUT_S = 300.0  # the orchestrator writes the go file once all learners joined
@@ -64,6 +68,69 @@ def _lives(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"event": "joined"' in line)
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """What one step of ``train_steps`` measured."""
+
+    step: int
+    """Steps made so far, this one included."""
+    loss: float
+    """Training loss of the step's batch."""
+    compute: float
+    """Seconds of the inner step, pacing and emulated slowness included (the rack's compute)."""
+    sync: float
+    """Seconds spent in rackmend after the inner step."""
+    blocked: float
+    """Of ``sync``, seconds waiting on the syncer."""
+    slow: bool
+    """Whether the step fell in the fail-slow window."""
+
+
+def train_steps(model: torch.nn.Module, inner: torch.optim.Optimizer, opt: RackmendOptimizer | None,
+                batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], tokens: int, *,
+                max_steps: int | None, stop_at: float | None = None, min_step_s: float = 0.0,
+                slow: tuple[float, float, float] | None = None, delay: Callable[[int], float] | None = None,
+                on_step: Callable[[StepDone], None] | None = None) -> int:
+    """A learner's training loop, shared by the process worker and the thread runner
+    (``rackmend.demo.threads``): inner step, pacing, rackmend's bookkeeping (none when
+    ``opt`` is None). Stops after ``max_steps`` or at ``stop_at`` (``time.monotonic``);
+    one of them must be set. Each step lasts at least ``min_step_s``; inside the
+    ``slow`` window ``(from, until, factor)`` it takes ``factor`` times its compute;
+    ``delay(step)`` seconds more are slept after it. Returns the steps made."""
+    if max_steps is None and stop_at is None:
+        raise ValueError("give max_steps or stop_at: otherwise the loop never ends")
+    step = 0
+    while (stop_at is None or time.monotonic() < stop_at) and (max_steps is None or step < max_steps):
+        a = time.perf_counter()
+        x, y = batch()
+        loss = model(x, y)
+        inner.zero_grad(set_to_none=True)
+        loss.backward()
+        inner.step()
+        b = time.perf_counter()
+        if b - a < min_step_s:
+            time.sleep(min_step_s - (b - a))
+            b = time.perf_counter()
+        is_slow = slow is not None and slow[0] <= time.monotonic() < slow[1]
+        if slow is not None and is_slow:
+            time.sleep((slow[2] - 1) * (b - a))  # the rack computes, only slower
+            b = time.perf_counter()
+        if delay is not None:
+            time.sleep(delay(step + 1))
+            b = time.perf_counter()
+        blocked = 0.0
+        if opt is not None:
+            before = opt.blocked_seconds
+            opt.after_inner_step(tokens)
+            blocked = opt.blocked_seconds - before
+        c = time.perf_counter()
+        step += 1
+        if on_step is not None:
+            on_step(StepDone(step=step, loss=float(loss.detach()), compute=b - a, sync=c - b, blocked=blocked,
+                             slow=is_slow))
+    return step
+
+
 def run(run_dir: Path, index: int) -> int:
     from rackmend.learner.optimizer import RackmendOptimizer
     from rackmend.transport.zmq_link import ZmqLink
@@ -94,34 +161,14 @@ def run(run_dir: Path, index: int) -> int:
         slow = (t0 + f.slow_from * s.duration_s, t0 + f.slow_until * s.duration_s, f.slow_factor)
     g = torch.Generator().manual_seed(s.seed * 1000 + index + 7919 * life)
     tokens = s.batch_size * s.model.block_size
-    step = 0
+
+    def write(d: StepDone) -> None:
+        metrics.write({"t": time.monotonic(), "step": d.step, "loss": round(d.loss, 5), "compute": d.compute,
+                       "sync": d.sync, "blocked": d.blocked, "tokens": tokens, "slow": d.slow})
+
     try:
-        while (stop_at is None or time.monotonic() < stop_at) and (s.max_steps is None or step < s.max_steps):
-            a = time.perf_counter()
-            x, y = corpus.batch(g, s.batch_size, s.model.block_size)
-            loss = model(x, y)
-            inner.zero_grad(set_to_none=True)
-            loss.backward()
-            inner.step()
-            b = time.perf_counter()
-            if b - a < s.min_step_s:
-                time.sleep(s.min_step_s - (b - a))
-                b = time.perf_counter()
-            is_slow = slow is not None and slow[0] <= time.monotonic() < slow[1]
-            if is_slow:
-                assert slow is not None
-                time.sleep((slow[2] - 1) * (b - a))  # the rack computes, only slower
-                b = time.perf_counter()
-            blocked = 0.0
-            if opt is not None:
-                before = opt.blocked_seconds
-                opt.after_inner_step(tokens)
-                blocked = opt.blocked_seconds - before
-            c = time.perf_counter()
-            step += 1
-            metrics.write({"t": time.monotonic(), "step": step, "loss": round(float(loss.detach()), 5),
-                           "compute": b - a, "sync": c - b, "blocked": blocked, "tokens": tokens,
-                           "slow": is_slow})
+        step = train_steps(model, inner, opt, lambda: corpus.batch(g, s.batch_size, s.model.block_size), tokens,
+                           max_steps=s.max_steps, stop_at=stop_at, min_step_s=s.min_step_s, slow=slow, on_step=write)
     finally:
         if opt is not None:
             opt.close()

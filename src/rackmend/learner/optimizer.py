@@ -71,7 +71,7 @@ from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_diffe
 from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
 from rackmend.learner.sending import SendThread
-from rackmend.learner.tensorboard import LearnerScalars
+from rackmend.learner.tensorboard import Applied, LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
@@ -134,6 +134,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.inner = inner
         self.model = model
         self.config = config
+        if not isinstance(link, LearnerLink):
+            raise TypeError(f"link must be a rackmend.transport.LearnerLink (subclass it), got {type(link).__name__}")
         self.link = link
         learner_id = learner_id or os.environ.get("RACKMEND_LEARNER_ID")
         if not learner_id:
@@ -150,7 +152,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         self.world_size = dist.get_world_size(process_group) if several else 1
         self.rank = dist.get_rank(process_group) if several else 0
-        link_ranks = (getattr(link, "rank", 0), getattr(link, "world_size", 1))
+        link_ranks = (link.rank, link.world_size)
         if link_ranks != (self.rank, self.world_size):
             # A link that disagrees would carry only part of the fragments (each rank of
             # a 2-rank job calling itself rank 0 of 1 sends the same half twice).
@@ -217,8 +219,6 @@ class RackmendOptimizer(torch.optim.Optimizer):
         syncer sends this learner: ``state`` slow (rounds no longer wait for it), evict
         (marked for eviction) or restored, naming the slow ``rank``. Replace it to act,
         e.g. shrink that rank's batch or rebalance work; the default logs a warning."""
-        self._poll_advice: Callable[[], list[FailSlowReport]] | None = getattr(link, "poll_advice", None)
-        """The link's fail-slow advice, looked up once (links without it have none)."""
         tb = config.learner.tensorboard_dir
         self._scalars = None if tb is None else LearnerScalars(tb, self.rank, self.world_size)
         """TensorBoard scalars (``LearnerConfig.tensorboard_dir``), written at each applied merge."""
@@ -505,10 +505,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         now = self._clock()
         self._sends.check()
         self.bytes_sent = self._bytes_out
-        if self._poll_advice is not None:
-            for report in self._poll_advice():
-                self.on_fail_slow(report)
-        moments = tuple(self.link.poll_moments()) if self._moment_params else ()  # type: ignore[attr-defined]
+        for report in self.link.poll_advice():
+            self.on_fail_slow(report)
+        moments = tuple(self.link.poll_moments()) if self._moment_params else ()
         arrived = tuple(self.link.poll())
         if arrived and self._cuda is not None:
             self._cuda.stage(arrived, core.in_flight())
@@ -581,7 +580,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """The send thread's job for ``action`` (after the sends before it, on the one
         thread that sends on the link)."""
         def job() -> None:
-            self.link.send_moments(action.contribution)  # type: ignore[attr-defined]
+            self.link.send_moments(action.contribution)
             self._bytes_out += action.nbytes
         return job
 
@@ -611,7 +610,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         sharded = {"pieces": layout.owned} if layout.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
                                  settings=LearnerSettings.from_config(self.config), **sharded)
-        self.syncer_settings: SyncerSettings | None = getattr(self.link, "syncer_settings", None)
+        self.syncer_settings: SyncerSettings | None = self.link.syncer_settings
         """The round settings the syncer stated when this learner joined (min_quorum,
         grace_max, weighting, failslow); None from a syncer or link that predates them."""
         if self.syncer_settings is not None and self.rank == 0:
@@ -660,10 +659,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "DES-LOC (ScheduleConfig.desloc) cannot be used with Adam(amsgrad=True): its running maximum "
                 "max_exp_avg_sq would no longer bound the averaged exp_avg_sq; use amsgrad=False or turn desloc off")
-        missing = [name for name in ("send_moments", "poll_moments", "wait_moments") if not hasattr(self.link, name)]
-        if missing:
+        if not self.link.carries_moments:
             raise ConfigError(f"DES-LOC (ScheduleConfig.desloc) needs a link that carries moments, but "
-                              f"{type(self.link).__name__} lacks {', '.join(missing)}; use ZmqLink or InProcessLink")
+                              f"{type(self.link).__name__} does not (LearnerLink.carries_moments: send_moments, "
+                              "poll_moments, wait_moments); use ZmqLink or InProcessLink")
         # The model's own parameters, not the detached blocks in ``_params``: the inner
         # optimizer keys its state by parameter.
         return [[t for t, spec in zip(ts, frag.tensors) if not spec.is_buffer]
@@ -696,8 +695,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def _wait_moments(self, action: WaitForMoments) -> MomentUpdate:
         t0 = self._clock()
         self._sends.wait()
-        upd = self.link.wait_moments(action.fragment, action.kind, action.after_version,  # type: ignore[attr-defined]
-                                     action.epoch, max(0.0, action.deadline - t0))
+        upd = self.link.wait_moments(action.fragment, action.kind, action.after_version, action.epoch,
+                                     max(0.0, action.deadline - t0))
         self.blocked_seconds += self._clock() - t0
         if upd is None:
             raise TransportError(
@@ -721,6 +720,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
             assert self.probe_loss is not None
             self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))
         if self._scalars is not None:
-            self._scalars.applied(self, p)
+            self._scalars.applied(Applied(step=self.step_count, staleness=self.version_lags[p],
+                                          blocked_s=self.blocked_seconds, bytes_sent=self.bytes_sent,
+                                          bytes_received=self.link.bytes_received, merge_gain=self.merge_gains[p]))
         if self.on_apply is not None:
             self.on_apply(p, action.update)

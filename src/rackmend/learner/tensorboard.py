@@ -4,8 +4,9 @@
 learner's outer loop did so far: merges applied, the merge's staleness (version lag),
 seconds blocked on the syncer, bytes of outer gradients sent and bytes received from
 the syncer, and the merge gain when a probe measures it. The x axis is the learner's
-inner step. ``RackmendOptimizer`` builds it and calls it; the optimizer's logic does not
-live here, nor does anything of the syncer's (its metrics: ``rackmend.service.metrics``).
+inner step. ``RackmendOptimizer`` builds it and hands it plain values (``Applied``) at
+each apply; nothing here reads the optimizer, and nothing of the syncer's lives here (its
+metrics: ``rackmend.service.metrics``).
 
 ``tensorboard`` is an optional dependency (``pip install tensorboard``, or the
 ``rackmend[tensorboard]`` extra): only a learner that sets ``tensorboard_dir`` imports it.
@@ -14,14 +15,12 @@ live here, nor does anything of the syncer's (its metrics: ``rackmend.service.me
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from rackmend.config import ConfigError
 
-if TYPE_CHECKING:
-    from rackmend.learner.optimizer import RackmendOptimizer
-
-__all__ = ["LearnerScalars", "TAGS", "FLUSH_SECS"]
+__all__ = ["Applied", "LearnerScalars", "TAGS", "FLUSH_SECS"]
 
 TAGS = {
     "merges_applied": "rackmend/merges_applied",
@@ -35,6 +34,24 @@ TAGS = {
 
 FLUSH_SECS = 10
 """Seconds between writes of the event file to disk (``close`` writes the rest)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Applied:
+    """Where a learner's outer loop stood right after it applied a merged value."""
+
+    step: int
+    """The learner's inner steps done (the x axis)."""
+    staleness: int
+    """Version lag of the value applied (``RackmendOptimizer.version_lags``)."""
+    blocked_s: float
+    """Seconds blocked on the syncer so far."""
+    bytes_sent: int
+    """Bytes of outer gradients (and DES-LOC moments) handed to the link so far."""
+    bytes_received: int | None
+    """Bytes received from the syncer so far; None for a link that does not count them."""
+    merge_gain: float | None
+    """The merge gain the probe measured for this value; None without a probe."""
 
 
 class LearnerScalars:
@@ -53,21 +70,18 @@ class LearnerScalars:
         self._writer: Any = SummaryWriter(self.log_dir, flush_secs=FLUSH_SECS)
         self.merges_applied = 0
 
-    def applied(self, opt: "RackmendOptimizer", p: int) -> None:
-        """After ``opt`` applied a merged value of fragment ``p``."""
+    def applied(self, a: Applied) -> None:
+        """After the learner applied a merged value."""
         self.merges_applied += 1
-        step = opt.step_count
         add = self._writer.add_scalar
-        add(TAGS["merges_applied"], self.merges_applied, step)
-        add(TAGS["staleness"], opt.version_lags[p], step)
-        add(TAGS["blocked_s"], opt.blocked_seconds, step)
-        add(TAGS["bytes_sent"], opt.bytes_sent, step)
-        received = getattr(opt.link, "bytes_received", None)  # links that do not count have none
-        if received is not None:
-            add(TAGS["bytes_received"], received, step)
-        gain = opt.merge_gains[p]
-        if gain is not None:
-            add(TAGS["merge_gain"], gain, step)
+        add(TAGS["merges_applied"], self.merges_applied, a.step)
+        add(TAGS["staleness"], a.staleness, a.step)
+        add(TAGS["blocked_s"], a.blocked_s, a.step)
+        add(TAGS["bytes_sent"], a.bytes_sent, a.step)
+        if a.bytes_received is not None:
+            add(TAGS["bytes_received"], a.bytes_received, a.step)
+        if a.merge_gain is not None:
+            add(TAGS["merge_gain"], a.merge_gain, a.step)
 
     def close(self) -> None:
         self._writer.close()

@@ -6,17 +6,18 @@ A link belongs to one learner (or one rank of it). It never blocks in ``send`` o
 
 from __future__ import annotations
 
+import abc
 import queue
 import time
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
-from rackmend.core.messages import Contribution, MomentUpdate, Update
+from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import LearnerSettings, SyncerSettings
 
 __all__ = ["LearnerLink", "TransportError", "QueueLink"]
 
@@ -27,8 +28,33 @@ class TransportError(RuntimeError):
     """The transport could not do what was asked (timeout, refused, closed)."""
 
 
-@runtime_checkable
-class LearnerLink(Protocol):
+class LearnerLink(abc.ABC):
+    """A learner's end of a transport; ``RackmendOptimizer`` uses this and nothing else.
+    A transport subclasses it and implements ``join``, ``send``, ``poll``, ``wait`` and
+    ``leave``; the rest has defaults for a link that genuinely lacks the feature (one
+    rank, no settings stated by the syncer, no byte count, no fail-slow advice, no
+    DES-LOC moments)."""
+
+    rank: int = 0
+    """This rank of the learner; the link carries the fragments (or pieces) this rank
+    owns. ``RackmendOptimizer`` refuses a link whose ranks differ from its process group's."""
+
+    world_size: int = 1
+    """Ranks of the learner (1: a single-process learner, all fragments on this link)."""
+
+    syncer_settings: SyncerSettings | None = None
+    """The round settings the syncer stated when this learner joined (min_quorum,
+    grace_max, weighting, failslow); None from a link or syncer that does not state them.
+    Set by the time ``join`` returns."""
+
+    bytes_received: int | None = None
+    """Bytes received from the syncer so far; None for a link that does not count them."""
+
+    carries_moments: bool = False
+    """Whether ``send_moments``, ``poll_moments`` and ``wait_moments`` work (DES-LOC,
+    ``ScheduleConfig.desloc``, needs it)."""
+
+    @abc.abstractmethod
     def join(
         self,
         learner_id: str,
@@ -47,32 +73,51 @@ class LearnerLink(Protocol):
         the blocks it owns per fragment (``initial`` then holds its local blocks); the
         values returned, and every later update, carry those pieces only. Links that
         cannot carry pieces raise ``TransportError``."""
-        ...
 
+    @abc.abstractmethod
     def send(self, contribution: Contribution) -> None:
         """Queue a contribution for the syncer; returns at once. ``RackmendOptimizer``
         calls it (and ``send_moments``) from its send thread, one call at a time in the
         order of the sends, never from the training thread (``rackmend.learner.sending``);
         its ``close`` runs what is queued before it calls ``leave``. So leave through
         ``RackmendOptimizer.close``, not by calling the link's ``leave`` yourself."""
-        ...
 
+    @abc.abstractmethod
     def poll(self) -> list[Update]:
         """Updates that arrived since the last call, oldest first; never blocks."""
-        ...
 
+    @abc.abstractmethod
     def wait(self, fragment: int, after_version: int, timeout: float) -> Update | None:
         """Block until an update of ``fragment`` newer than ``after_version`` (or a
         ``reset`` update of it, whatever its version) arrives; other updates that arrive
         meanwhile are kept for the next ``poll``."""
-        ...
 
+    @abc.abstractmethod
     def leave(self) -> None:
         """Tell the syncer this learner is leaving; idempotent."""
-        ...
+
+    def poll_advice(self) -> list[FailSlowReport]:
+        """Fail-slow reports for this learner since the last call, oldest first; never
+        blocks. A link that carries none has none."""
+        return []
+
+    def send_moments(self, contribution: MomentContribution) -> None:
+        """DES-LOC: queue a moment contribution for the syncer; returns at once."""
+        raise TransportError(f"{type(self).__name__} does not carry DES-LOC moments")
+
+    def poll_moments(self) -> list[MomentUpdate]:
+        """DES-LOC: averaged moments that arrived since the last call, oldest first; never blocks."""
+        return []
+
+    def wait_moments(self, fragment: int, kind: str, after_version: int, epoch: int,
+                     timeout: float) -> MomentUpdate | None:
+        """DES-LOC: block until averaged ``kind`` moments of ``fragment`` newer than
+        ``after_version`` (or of another epoch than ``epoch``) arrive; others that arrive
+        meanwhile are kept for the next ``poll_moments``."""
+        raise TransportError(f"{type(self).__name__} does not carry DES-LOC moments")
 
 
-class QueueLink:
+class QueueLink(LearnerLink):
     """The receiving half shared by links whose updates land in a ``queue.Queue``:
     ``poll`` and ``wait`` with updates for other fragments held back, never lost;
     ``poll_advice`` for the syncer's fail-slow reports about this learner; and, for

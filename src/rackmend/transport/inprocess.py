@@ -189,15 +189,15 @@ class InProcessSyncer:
 
 
 class InProcessLink(QueueLink):
-    """One learner's end of an ``InProcessSyncer``."""
+    """One learner's end of an ``InProcessSyncer``: a single-process learner (rank 0 of
+    1, all its fragments); it counts no bytes (nothing is encoded)."""
+
+    carries_moments = True
 
     def __init__(self, hub: InProcessSyncer) -> None:
         super().__init__(lambda: hub._error)
         self._hub = hub
         self.learner_id: str | None = None
-        self.rank = 0
-        self.world_size = 1
-        """An in-process link carries a single-process learner (all its fragments)."""
         self.syncer_settings: SyncerSettings = SyncerSettings.from_config(hub.core.config)
         """The syncer's round settings, as ``ZmqLink.syncer_settings``."""
 

@@ -23,7 +23,7 @@ from rackmend.core.messages import Contribution, MomentContribution, MomentUpdat
 from rackmend.core.pieces import RankPieces
 from rackmend.core.settings import LearnerSettings, SyncerSettings
 from rackmend.core.shards import Shard, owner
-from rackmend.transport.base import TransportError
+from rackmend.transport.base import LearnerLink, TransportError
 from rackmend.transport.zmq_link import ZmqLink
 
 __all__ = ["ShardedLink", "connect"]
@@ -44,10 +44,12 @@ def connect(endpoints: str | Sequence[str] | None = None, **kwargs: Any) -> "Zmq
     return ZmqLink(listed[0], **kwargs) if len(listed) == 1 else ShardedLink(listed, **kwargs)
 
 
-class ShardedLink:
+class ShardedLink(LearnerLink):
     """``LearnerLink`` over S syncer shards: ``endpoints[s]`` must be shard ``s`` of S
     (a shard refuses a hello meant for another, naming both). ``kwargs`` go to each
     shard's ``ZmqLink``."""
+
+    carries_moments = True
 
     def __init__(self, endpoints: Sequence[str], **kwargs: Any) -> None:
         if len(endpoints) < 2:

@@ -85,6 +85,8 @@ def _ranks(process_group: Any) -> tuple[int, int]:
 class ZmqLink(QueueLink):
     """LearnerLink over ZeroMQ. ``endpoint`` like ``tcp://127.0.0.1:5555``."""
 
+    carries_moments = True
+
     def __init__(
         self,
         endpoint: str,
