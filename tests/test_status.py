@@ -71,6 +71,9 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
     for f in doc["fragments"]:
         # Merges go on while the request crosses: the answer lies between the log before and after.
         assert before[f["fragment"]] <= f["version"] <= after[f["fragment"]], (before, f, after)
+        # The round's phase agrees with what it holds: open until fresh work is in.
+        assert f["phase"] == "open" if not f["fresh"] else f["phase"] in ("gathering", "grace"), f
+        assert (f["phase"] == "grace") == (f["grace_left_s"] is not None), f
     assert doc["syncer"]["state"] == "running" and doc["syncer"]["merges"] >= sum(before)
 
     finish(a, procs, "l0", timeout=120)
@@ -80,6 +83,7 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
     assert doc is not None
     final = last_versions(tmp_path, P)  # nobody trains now: the answer must equal the log exactly
     assert [f["version"] for f in doc["fragments"]] == final
+    assert all(f["phase"] == "open" and not f["waiting"] for f in doc["fragments"]), doc["fragments"]
     assert doc["syncer"]["merges"] == len([e for e in events(tmp_path) if e["event"] == "merge"])
     by_id = {ln["id"]: ln for ln in doc["learners"]}
     assert {ln["state"] for ln in by_id.values()} == {"left"} and not any(ln["ranks"] for ln in by_id.values())

@@ -18,6 +18,8 @@ from rackmend.core import (
     TensorSpec,
     Tick,
 )
+from rackmend.core.rounds import Phase
+from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.core.records import Merged, Rejected, Superseded, SyncerRecord
 
 N = 4
@@ -55,12 +57,15 @@ def events(actions, kind: type[SyncerRecord]) -> list[dict]:
 
 def test_quorum_then_grace_expiry() -> None:
     core = make_core()
+    clock = core.frags[0].round.clock
+    assert clock.phase is Phase.OPEN
     assert merges(core.handle(contrib("a"), 0.0)) == []  # 1 < K
-    assert core.next_deadline() is None
+    assert core.next_deadline() is None and clock.phase is Phase.GATHERING and clock.first_arrival == 0.0
     assert merges(core.handle(contrib("b"), 0.5)) == []  # quorum; grace (grace_max, no estimates) starts
-    assert core.next_deadline() == pytest.approx(1.5)
+    assert core.next_deadline() == pytest.approx(1.5) and clock.phase is Phase.GRACE and clock.quorum_at == 0.5
     assert merges(core.handle(Tick(), 1.49)) == []
     (m,) = merges(core.handle(Tick(), 1.5))
+    assert core.frags[0].round.clock.phase is Phase.OPEN  # a new round
     assert m["merged"] == ["a", "b"] and m["absent"] == ["c"] and m["round"] == 0
     assert m["quorum_s"] == pytest.approx(0.5) and m["grace_s"] == pytest.approx(1.0)
     assert core.versions[0] == 1 and core.next_deadline() is None
@@ -284,6 +289,7 @@ def test_stale_contributions_alone_never_open_a_round() -> None:
     core.handle(contrib("a"), 0.0)
     assert core.versions[0] == 1
     assert merges(core.handle(contrib("b", base=0), 0.5) + core.handle(Tick(), 9.0)) == []
+    assert core.frags[0].round.clock.phase is Phase.OPEN and "b" in core.frags[0].round.pending
     (m,) = merges(core.handle(contrib("a", base=1, step=16), 1.0))
     assert m["merged"] == ["a", "b"] and m["stale"] == ["b"]
 
@@ -338,3 +344,27 @@ def test_records_are_typed_documented_and_write_the_documented_log_lines() -> No
     assert list(line)[:4] == ["event", "t", "fragment", "round"] and line["merged"] == ["a"] and "cause" not in line
     (r,) = [a for a in core.handle(contrib("zz"), 2.0) if isinstance(a, Rejected)]
     assert r.code == "not_joined" and list(r.to_record()) == ["event", "t", "learner", "fragment", "code", "reason"]
+
+
+@pytest.mark.parametrize("time_merges", [True, False])
+def test_the_runner_carries_out_every_action_and_times_merges(time_merges: bool) -> None:
+    """One ``SyncerRunner.run``: each action to the function injected for its type, in
+    order, and a merge's duration on the driver's clock fed back to the grace window."""
+    core = make_core(K=1, grace_max=0.0)
+    ticks = iter([10.0, 10.25, 10.5, 20.0, 20.5, 21.0])
+    done: list[object] = []
+    runner = SyncerRunner(core, lambda: next(ticks), send_update=done.append, record=done.append,
+                          merged=lambda fragments, seconds: done.append((fragments, seconds)),
+                          time_merges=time_merges)
+    actions = runner.run(contrib("a"))
+    kinds = [type(a).__name__ for a in done]
+    assert kinds == ["SendUpdate", "Merged", "tuple"], kinds
+    assert done[:2] == actions  # what the core returned, in its order
+    assert done[0].to == ("a", "b", "c") and done[1].t == 10.0
+    if time_merges:
+        assert done[2] == ([0], 0.25) and core.xi_sync.value == 0.25
+    else:
+        assert done[2] == ([0], 0.0) and core.xi_sync.value is None
+    done.clear()
+    runner.run(contrib("b", base=1, step=16))  # K=1, grace 0: merges again at once
+    assert [type(a).__name__ for a in done][:2] == ["SendUpdate", "Merged"]

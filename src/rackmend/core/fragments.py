@@ -40,6 +40,7 @@ __all__ = [
     "FragmentSpec",
     "pack_fragments",
     "fragment_offsets",
+    "fragment_problem",
     "fragments_due",
     "fingerprint",
     "layout_difference",
@@ -121,6 +122,16 @@ def _mean_name(name: str) -> str | None:
     if leaf != "running_var":
         return None
     return f"{prefix}.running_mean" if prefix else "running_mean"
+
+
+def fragment_problem(p: object, count: int) -> str | None:
+    """Why ``p`` is not the number of a fragment of a layout of ``count`` fragments, or
+    None. Every check of a fragment number (from the wire, or handed to a core) is this one."""
+    if not isinstance(p, int) or isinstance(p, bool):
+        return f"a fragment number must be an int, got {type(p).__name__}"
+    if not 0 <= p < count:
+        return f"unknown fragment {str(p)[:20]} (the layout has {count})"
+    return None
 
 
 def fragment_offsets(num_fragments: int, sync_every: int) -> list[int]:

@@ -59,7 +59,7 @@ import torch
 
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import ConfigError, RackmendConfig
-from rackmend.core.fragments import FragmentSpec, fragments_due
+from rackmend.core.fragments import FragmentSpec, fragment_problem, fragments_due
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankLayout, pieces_problem, plain_layout, wire_pieces
 
@@ -1152,8 +1152,9 @@ class LearnerCore:
         return self.moments[self._fragment(p).index][kind]
 
     def _fragment(self, p: int) -> FragmentState:
-        if not 0 <= p < len(self.fragments):
-            raise ValueError(f"fragment {p} is not in this layout (0..{len(self.fragments) - 1})")
+        problem = fragment_problem(p, len(self.fragments))
+        if problem:
+            raise ValueError(problem)
         return self.fragments[p]
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
 
 import torch
@@ -46,7 +46,7 @@ from rackmend.core.failslow import (
     RestoreLearner,
     StopExpecting,
 )
-from rackmend.core.fragments import FragmentSpec
+from rackmend.core.fragments import FragmentSpec, fragment_problem
 from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.moments import MomentKey, MomentRounds
@@ -581,8 +581,9 @@ class SyncerCore:
 
     def _accept(self, c: Contribution, now: float, actions: list[Action]) -> int | None:
         p = c.fragment
-        if not 0 <= p < len(self.fragments):
-            self._reject(c, now, "unknown_fragment", f"unknown fragment {p}", actions)
+        problem = fragment_problem(p, len(self.fragments))
+        if problem:
+            self._reject(c, now, "unknown_fragment", problem, actions)
             return None
         if c.learner_id not in self.members or not self.members[c.learner_id].connected:
             self._reject(c, now, "not_joined", "learner has not joined", actions)
@@ -829,8 +830,9 @@ class SyncerCore:
         if not mr.enabled:
             return "moments_off", ("DES-LOC moments arrived, but this run has DES-LOC off (the first learner's "
                                    "ScheduleConfig.desloc); set the same desloc on every learner")
-        if not 0 <= c.fragment < len(self.fragments):
-            return "unknown_fragment", f"unknown fragment {c.fragment}"
+        problem = fragment_problem(c.fragment, len(self.fragments))
+        if problem:
+            return "unknown_fragment", problem
         if (c.fragment, c.kind) not in mr.versions:
             return "layout", f"moment kind {c.kind[:30]!r} is not exp_avg or exp_avg_sq"
         m = self.members.get(c.learner_id)

@@ -164,10 +164,10 @@ def render(status: dict[str, Any], endpoint: str) -> str:
         waiting = f.get("waiting", [])
         fresh = set(f.get("fresh", []))
         inside = ",".join(f"{lid}{'' if lid in fresh else '*'}" for lid in waiting) or "-"
-        rows.append([str(f.get("fragment")), str(f.get("version")), _fmt_bytes(f.get("bytes")), inside,
-                     _fmt_s(f.get("round_age_s")), _fmt_s(f.get("grace_left_s")),
+        rows.append([str(f.get("fragment")), str(f.get("version")), _fmt_bytes(f.get("bytes")),
+                     str(f.get("phase", "-")), inside, _fmt_s(f.get("round_age_s")), _fmt_s(f.get("grace_left_s")),
                      ",".join(f.get("last_merged", [])) or "-", _fmt_s(f.get("last_merge_age_s"))])
-    out += _table(["FRAGMENT", "VERSION", "SIZE", "IN ROUND", "ROUND AGE", "GRACE LEFT", "LAST MERGED", "AGO"], rows)
+    out += _table(["FRAGMENT", "VERSION", "SIZE", "PHASE", "IN ROUND", "ROUND AGE", "GRACE LEFT", "LAST MERGED", "AGO"], rows)
     if any(set(f.get("waiting", [])) - set(f.get("fresh", [])) for f in status.get("fragments", [])):
         out.append("* stale: based on an older version, rides along with the next merge")
     return "\n".join(out)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from rackmend.config import RackmendConfig
-from rackmend.core.failslow import AdviseLearner, FailSlowReport
+from rackmend.core.failslow import AdviseLearner, FailSlowAction, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
@@ -36,9 +36,9 @@ from rackmend.core.syncer import (
     SendUpdate,
     SyncerCore,
     SyncerRecord,
-    SyncTimed,
     Tick,
 )
+from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.transport.base import QueueLink, TransportError
 
 __all__ = ["InProcessSyncer", "InProcessLink"]
@@ -61,6 +61,8 @@ class InProcessSyncer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = SyncerCore(config, fragments, initial)
+        self._runner = SyncerRunner(self.core, clock, send_update=self._send_update, record=self._record,
+                                    send_moments=self._send_moments, fail_slow=self._advise, merged=self._merged)
         self.clock = clock
         self.records: list[SyncerRecord] = []
         """Every record the core returned, in order (typed: ``rackmend.core.records``; also
@@ -143,49 +145,44 @@ class InProcessSyncer:
                     # Contributions queued before close() were dispatched above: merge
                     # whatever still waits for a quorum or grace window, so work that
                     # was sent is in the final global value.
-                    self._dispatch(FinalMerge())
+                    self._runner.run(FinalMerge())
                     return
-                self._dispatch(event)
+                self._runner.run(event)
         except BaseException as exc:  # surfaced by close() and by learners' waits
             self._error = exc
 
-    def _dispatch(self, event: Event) -> None:
-        t0 = self.clock()
-        actions = self.core.handle(event, t0)
-        merged: list[int] = []
-        for action in actions:
-            if isinstance(action, SendUpdate):
-                upd = replace(action.update, reset=True) if action.reset else action.update
-                with self._lock:
-                    for lid in action.to:
-                        box = self._outboxes.get(lid)
-                        if box is not None:
-                            box.put(upd)
-            elif isinstance(action, SyncerRecord):
-                self.records.append(action)
-                if action.level >= logging.WARNING:
-                    log.warning("%s", getattr(action, "reason", action))
-                if self._log_file:
-                    self._log_file.write(json.dumps(action.to_record()) + "\n")
-                if isinstance(action, Merged):
-                    merged.append(action.fragment)
-            elif isinstance(action, SendMomentUpdate):
-                with self._lock:
-                    for lid in action.to:
-                        moment_box = self._moment_boxes.get(lid)
-                        if moment_box is not None:
-                            moment_box.put(action.update)
-            elif isinstance(action, AdviseLearner):
-                with self._lock:
-                    advice = self._advice.get(action.report.learner)
-                if advice is not None:
-                    advice.put(action.report)
-        if merged:
-            if self._log_file:
-                self._log_file.flush()
-            seconds = (self.clock() - t0) / len(merged)
-            for p in merged:
-                self.core.handle(SyncTimed(p, seconds), self.clock())
+    def _send_update(self, action: SendUpdate) -> None:
+        upd = replace(action.update, reset=True) if action.reset else action.update
+        with self._lock:
+            for lid in action.to:
+                box = self._outboxes.get(lid)
+                if box is not None:
+                    box.put(upd)
+
+    def _send_moments(self, action: SendMomentUpdate) -> None:
+        with self._lock:
+            for lid in action.to:
+                box = self._moment_boxes.get(lid)
+                if box is not None:
+                    box.put(action.update)
+
+    def _record(self, record: SyncerRecord) -> None:
+        self.records.append(record)
+        if record.level >= logging.WARNING:
+            log.warning("%s", getattr(record, "reason", record))
+        if self._log_file:
+            self._log_file.write(json.dumps(record.to_record()) + "\n")
+
+    def _advise(self, action: FailSlowAction) -> None:
+        if isinstance(action, AdviseLearner):
+            with self._lock:
+                advice = self._advice.get(action.report.learner)
+            if advice is not None:
+                advice.put(action.report)
+
+    def _merged(self, fragments: list[int], seconds: float) -> None:
+        if self._log_file:
+            self._log_file.flush()
 
 
 class InProcessLink(QueueLink):

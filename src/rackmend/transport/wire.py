@@ -23,8 +23,8 @@ from rackmend.codecs.base import CodecError, Encoded
 from rackmend.config import APPLY_RULES, WEIGHTINGS
 from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.core.fragments import FragmentSpec, TensorSpec, fingerprint, layout_from_wire, layout_to_wire
-from rackmend.core.fragments import dtype_name
+from rackmend.core.fragments import (FragmentSpec, TensorSpec, dtype_name, fingerprint, fragment_problem,
+                                     layout_from_wire, layout_to_wire)
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
@@ -32,6 +32,7 @@ from rackmend.core.settings import LearnerSettings, SyncerSettings
 from rackmend.core.shards import Shard
 
 __all__ = [
+    "fragment_field",
     "PROTOCOL_VERSION",
     "CODEC_NONE",
     "MAX_EPOCH",
@@ -255,12 +256,20 @@ def ack_frames(fragment: int, learner_id: str | None = None, rank: int = 0) -> l
     return encode(header)
 
 
+def fragment_field(h: dict[str, Any], count: int, what: str) -> int:
+    """The ``fragment`` of a ``what`` message's header, checked against a layout of
+    ``count`` fragments (``fragments.fragment_problem``)."""
+    p = h.get("fragment")
+    problem = fragment_problem(p, count)
+    if problem:
+        raise WireError(f"{what}: {problem}")
+    assert isinstance(p, int)
+    return p
+
+
 def parse_ack(msg: Message, fragments: int) -> int:
     """The fragment an ``ack`` confirms, checked against the layout's size."""
-    p = _field(msg.header, "fragment", int, minimum=0)
-    if p >= fragments:
-        raise WireError(f"ack for unknown fragment {p} (the layout has {fragments})")
-    return p
+    return fragment_field(msg.header, fragments, "ack")
 
 
 def fetch_frames(learner_id: str, rank: int, fragment: int) -> list[Any]:
@@ -586,9 +595,7 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec], pool: Ex
                        ) -> Contribution:
     """A checked ``contrib``; ``pool``: its tensors decoded on the pool's workers."""
     h = msg.header
-    p = _field(h, "fragment", int, minimum=0)
-    if p >= len(fragments):
-        raise WireError(f"unknown fragment {p} (the layout has {len(fragments)})")
+    p = fragment_field(h, len(fragments), "contrib")
     counters = dict(
         base_version=_field(h, "base_version", int, minimum=0),
         step=_field(h, "step", int, minimum=0),
@@ -609,9 +616,7 @@ def parse_contribution(msg: Message, fragments: Sequence[FragmentSpec], pool: Ex
 
 
 def _moment_key(h: dict[str, Any], fragments: Sequence[FragmentSpec], what: str) -> tuple[int, str]:
-    p = _field(h, "fragment", int, minimum=0)
-    if p >= len(fragments):
-        raise WireError(f"{what} for unknown fragment {p} (the layout has {len(fragments)})")
+    p = fragment_field(h, len(fragments), what)
     kind = _field(h, "kind", str)
     if kind not in MOMENT_KINDS:
         raise WireError(f"{what}: kind {kind[:30]!r} is not one of {', '.join(MOMENT_KINDS)}")

@@ -389,9 +389,7 @@ class ZmqLink(QueueLink):
         try:
             msg = wire.decode_header(frames, wire.SYNCER_TYPES, self.max_message_bytes)
             if msg.type == "update":
-                p = msg.header.get("fragment")
-                if not isinstance(p, int) or not 0 <= p < len(self._fragments):
-                    raise wire.WireError(f"update for unknown fragment {p!r}")
+                p = wire.fragment_field(msg.header, len(self._fragments), "update")
                 version = msg.header.get("version")
                 if not isinstance(version, int) or isinstance(version, bool) or version < 0:
                     raise wire.WireError(f"update has a bad version {version!r}")
