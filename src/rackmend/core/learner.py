@@ -1214,15 +1214,16 @@ def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_s
 _NUMPY_DTYPES = (torch.float32, torch.float64)  # float16: numpy and torch may round differently
 _TORCH_GRAIN = 32768
 """Elements below which torch computes an elementwise op on the calling thread alone
-(its ``GRAIN_SIZE``): there its own subtraction is cheaper than the trip through NumPy."""
+(``at::internal::GRAIN_SIZE``): there its own subtraction costs less than the trip
+through NumPy."""
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a - b``, the same bits as torch's. Host tensors of ``_TORCH_GRAIN`` elements or
-    more go through numpy, on this thread alone: torch would wake its intra-op pool (every core by default) for a small,
-    memory-bound op, and on a GPU host those threads contend with the training thread's
-    kernel launches (H200, 19M-parameter GPT, ``make gpu-check``: 3.7 ms per step in this
-    subtraction with torch's 16 threads)."""
+    more go through numpy, on this thread alone: torch would wake its intra-op pool (every
+    core by default) for a small, memory-bound op, and on a GPU host those threads contend
+    with the training thread's kernel launches (H200, 19M-parameter GPT, ``make
+    gpu-check``: 3.7 ms per step in this subtraction with torch's 16 threads)."""
     if a.device.type != "cpu" or b.device.type != "cpu" or a.dtype != b.dtype or a.dtype not in _NUMPY_DTYPES \
             or a.shape != b.shape or a.numel() < _TORCH_GRAIN:
         return a - b

@@ -460,7 +460,8 @@ class SyncerCore:
         """``tokens_per_step``'s values, sorted (the median of the others without a sort per send)."""
         self._units_warned: set[str] = set()
         self._membership: tuple[tuple[int, int], tuple[str, ...], frozenset[str]] | None = None
-        """(key, connected, expected) as of ``_Member.changes`` and the member count in key."""
+        """``_members_view``'s (key, connected, expected): key is (``_Member.changes``, the
+        member count) when they were computed."""
         self.last_counts: dict[str, tuple[float, int]] = {}
         """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
         it is counted with in a round it misses (``count_absent``)."""

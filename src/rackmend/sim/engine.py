@@ -265,8 +265,8 @@ class Simulation:
         self.config = config
         self.every_step = every_step
         self._each_step = every_step or config.run.deterministic
-        """Wake every learner at every step (deterministic mode waits at the step a value
-        is due, whose end only that step can tell)."""
+        """Wake every learner at every step: asked for, or in deterministic mode (every
+        step hands the core ``ApplyDue``, which blocks the learner at a value not arrived)."""
         run = config.run
         sch = run.schedule
         gen = torch.Generator().manual_seed(config.seed)
@@ -502,8 +502,9 @@ class Simulation:
             self._push(t, _STEP, (lr.index, lr.life, lr.gen))
 
     def _catch_up(self, lr: _Learner, until: float) -> None:
-        """Run the steps that end before ``until``: steps with nothing due and nothing
-        arrived, where the core only counts (its actions are none, checked)."""
+        """Run the steps that end before ``until``: steps with nothing due or to apply,
+        where the core only counts (its actions are none, checked); what arrived meanwhile
+        waits for the wake-up step (``_plan``)."""
         core = lr.core
         assert core is not None
         ends, handle, jitter = lr.ends, core.handle, lr.jitter
