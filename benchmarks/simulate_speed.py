@@ -5,7 +5,8 @@ Runbook: ``python benchmarks/simulate_speed.py`` (M=16 for 1 simulated hour and 
 no failures), ``shared`` (20 % jitter, every learner 1.5x slower through the middle 40 %
 of the run, learner 0 2x from half-time: the fail-slow monitor reads the fleet at every
 contribution), ``fail`` (1.2M chips, elastic chip failures). H=24, P=4, tau=2, 1 s steps.
-Reports wall-clock and CPU-time learner-steps/s (CPU time is steadier beside other jobs).
+Reports wall-clock and CPU-time learner-steps/s, the median of the repeats and their
+range (CPU time is steadier beside other jobs).
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ def main() -> None:
     for m, duration in ((16, 3600.0), (64, 900.0)):
         for scenario in ("plain", "shared", "fail"):
             runs = [one(m, duration, scenario) for _ in range(repeats)]
-            rows[f"M={m} {scenario}"] = {"sps": statistics.median(r["sps"] for r in runs),
-                                         "cpu_sps": statistics.median(r["cpu_sps"] for r in runs),
-                                         "steps": runs[0]["steps"]}
-            print(f"M={m:<3} {scenario:<7} {rows[f'M={m} {scenario}']['sps']:>9.0f} learner-steps/s "
-                  f"(CPU time: {rows[f'M={m} {scenario}']['cpu_sps']:.0f})", flush=True)
+            sps, cpu = [r["sps"] for r in runs], [r["cpu_sps"] for r in runs]
+            row = rows[f"M={m} {scenario}"] = {
+                "sps": statistics.median(sps), "sps_min": min(sps), "sps_max": max(sps),
+                "cpu_sps": statistics.median(cpu), "cpu_sps_min": min(cpu), "cpu_sps_max": max(cpu),
+                "steps": runs[0]["steps"]}
+            print(f"M={m:<3} {scenario:<7} {row['sps']:>9.0f} learner-steps/s ({row['sps_min']:.0f}-"
+                  f"{row['sps_max']:.0f}; CPU time: {row['cpu_sps']:.0f}, {row['cpu_sps_min']:.0f}-"
+                  f"{row['cpu_sps_max']:.0f})", flush=True)
     finish("simulate_speed", a.out, {"inputs": {"repeats": repeats}, "rows": rows},
            {k.replace(" ", "_").replace("=", ""): v["sps"] for k, v in rows.items()})
 

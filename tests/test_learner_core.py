@@ -19,6 +19,7 @@ import torch
 from rackmend.config import CompressionConfig, LearnerConfig, RackmendConfig, ScheduleConfig
 from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
 from rackmend.core.learner import (
+    _TORCH_GRAIN,
     _difference,
     ApplyDue,
     ApplyValue,
@@ -780,8 +781,11 @@ def test_driver_mistakes_raise() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_outer_gradient_subtraction_has_torchs_bits(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
-    a = (torch.randn(300, 70, generator=g) * 1e3).to(dtype)
-    b = torch.randn(300, 70, generator=g).to(dtype)
+    # Whole: NumPy's subtraction for float32/64; every third row and one element: under
+    # _TORCH_GRAIN elements, torch's own.
+    a = (torch.randn(400, 200, generator=g) * 1e3).to(dtype)
+    b = torch.randn(400, 200, generator=g).to(dtype)
+    assert a[::3].numel() < _TORCH_GRAIN <= a.numel()
     for x, y in ((a, b), (a.t(), b.t()), (a[::3], b[::3]), (a[0, 0], b[0, 0])):
         got = _difference(x, y)
         assert got.dtype == dtype and got.shape == x.shape and torch.equal(got, x - y)

@@ -12,7 +12,7 @@ from helpers import run_inprocess
 from rackmend.cli import main as cli_main
 from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.records import Merged, SyncerRecord
-from rackmend.sim import Failures, Kill, RackSpec, SimConfig, Simulation, simulate
+from rackmend.sim import Failures, Kill, RackSpec, SimConfig, Simulation, Slowdown, simulate
 from rackmend.sim.config import YEAR
 from rackmend.sim.goodput import simulate_data_parallel
 
@@ -101,6 +101,35 @@ def test_elastic_failures_pause_shrink_and_regrow() -> None:
     assert math.fsum(g.shares().values()) == pytest.approx(1.0)
     assert 0.3 < g.goodput < 1.0
     assert all(lr.rejected == 0 for lr in report.learners)
+
+
+def test_skipping_steps_changes_nothing() -> None:
+    """The simulator hands a learner's core only the steps where it can act (a send, an
+    apply) and the values that arrived in between at those; waking every learner at
+    every step, as a training loop does, gives the same run bit for bit. Elastic failures
+    change a learner's chips, so the steps skipped before one count at the chips they
+    ran on; a reshape drops the steps planned ahead, whose jitter draws go to the next
+    steps. Jitter keeps events apart: at one instant their order decides."""
+    sched = ScheduleConfig(sync_every=24, num_fragments=4, overlap=2)
+    cases = [
+        SimConfig(run=RackmendConfig(schedule=sched), duration=1800.0, seed=5,
+                  racks=tuple(RackSpec(jitter=0.1, uplink_latency=0.2, downlink_latency=0.2) for _ in range(6)),
+                  failures=Failures(chips=3_000_000, failure_mode="elastic")),
+        SimConfig(run=RackmendConfig(schedule=sched, learner=LearnerConfig(apply="overwrite")), duration=1800.0,
+                  seed=1, racks=tuple(RackSpec(jitter=0.05) for _ in range(6)),
+                  failures=Failures(chips=3_000_000, failure_mode="restart")),
+        SimConfig(run=run(), duration=600.0, seed=2, slowdowns=(Slowdown(learner=0, factor=3.0, start=50.0, end=200.0),),
+                  racks=tuple(RackSpec(jitter=0.3, uplink_latency=0.3 * i, downlink_latency=1.5, uplink_bandwidth=20.0)
+                              for i in range(4)),
+                  kills=(Kill(learner=2, at=100.0, rejoin_at=160.0), Kill(learner=3, at=401.3))),
+    ]
+    for cfg in cases:
+        skipping, every = Simulation(cfg), Simulation(cfg, every_step=True)
+        report = skipping.run()
+        assert report.to_dict() == every.run().to_dict()
+        assert [r.to_record() for r in skipping.syncer_records] == [r.to_record() for r in every.syncer_records]
+        assert sum(report.merges) > 50
+    assert report.goodput is not None and report.goodput.lost > 0
 
 
 def test_data_parallel_goodput_closed_forms() -> None:

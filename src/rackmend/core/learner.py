@@ -587,6 +587,11 @@ class LearnerCore:
         self.fragments = [FragmentState(spec, blocks, owned)
                           for spec, blocks, owned in zip(fragments, layout.blocks, layout.owned)]
         self._specs = list(fragments)
+        self._wire = [(wire_pieces(f.spec, f.owned), f.owned_nbytes) for f in self.fragments]
+        """Per fragment, what its contributions name as pieces and their bytes (the layout's)."""
+        H = config.schedule.sync_every
+        self._due = [fragments_due(r or H, fragments, H) for r in range(H)]
+        """Per step mod H, the fragments sent after such a step (``fragments_due``)."""
         self.step = 0
         """Inner steps done (t)."""
         self.rank_times: list[float] = []
@@ -622,6 +627,8 @@ class LearnerCore:
         actions: list[LearnerAction] = []
         if isinstance(event, InnerStepDone):
             self._step_done(event, now, actions)
+        elif isinstance(event, TrainingResumed):  # every step, like InnerStepDone: checked early
+            self.ready_at = now
         elif isinstance(event, SnapshotTaken):
             self._snapshot_taken(event, actions)
         elif isinstance(event, ApplyDue):
@@ -634,8 +641,6 @@ class LearnerCore:
             self._change_agreed(event, actions)
         elif isinstance(event, ProbeMeasured):
             self._probe_measured(event)
-        elif isinstance(event, TrainingResumed):
-            self.ready_at = now
         elif isinstance(event, MomentsTaken):
             self._moments_taken(event, actions)
         elif isinstance(event, MomentsAnswered):
@@ -758,7 +763,7 @@ class LearnerCore:
             self._absorb(upd, actions)
         for mu in event.moments:
             self._absorb_moments(mu)
-        for p in fragments_due(self.step, self._specs, self.config.schedule.sync_every):
+        for p in self._due[self.step % len(self._due)]:
             self._moments_due_to_send(p, actions)
             f = self.fragments[p]
             keep = self.rule == "keep_local"
@@ -811,10 +816,11 @@ class LearnerCore:
             if (tuple(t.shape) != block.shape) if block is not None else t.numel():
                 raise ValueError(f"the snapshot of fragment {p}, {spec.name}: shape {list(t.shape)}, this rank "
                                  f"holds {list(block.shape) if block is not None else 'nothing'} of it")
-        shapes = [list(t.shape) for t in event.pieces]
-        if event.at_send is not None and [list(t.shape) for t in event.at_send] != shapes:
-            raise ValueError(f"the snapshot of fragment {p}: at_send has shapes "
-                             f"{[list(t.shape) for t in event.at_send]}, the pieces {shapes}")
+        if event.at_send is not None:
+            shapes = [list(t.shape) for t in event.pieces]
+            if [list(t.shape) for t in event.at_send] != shapes:
+                raise ValueError(f"the snapshot of fragment {p}: at_send has shapes "
+                                 f"{[list(t.shape) for t in event.at_send]}, the pieces {shapes}")
         keep = (event.pieces if event.at_send is None else event.at_send) if self.rule == "keep_local" else None
         if not f.owns:
             f.in_flight = InFlight(self.step, keep, f.counts())
@@ -834,12 +840,12 @@ class LearnerCore:
             rank=self.rank,
             rank_steps=len(self.rank_times),
             rank_step_time=statistics.median(self.rank_times) if self.rank_times else 0.0,
-            pieces=wire_pieces(f.spec, f.owned),
+            pieces=self._wire[p][0],
         )
         self.rank_times = []
         f.in_flight = InFlight(self.step, keep, f.counts())
         outer = OuterGradient(p, tuple(f.held[pc.tensor] for pc in f.owned),
-                              tuple(event.pieces[pc.tensor] for pc in f.owned), self.uplink, f.owned_nbytes)
+                              tuple(event.pieces[pc.tensor] for pc in f.owned), self.uplink, self._wire[p][1])
         actions.append(SendFragment(draft, outer))
 
     def _apply_due(self, now: float, actions: list[LearnerAction]) -> None:
@@ -1207,16 +1213,20 @@ def _check_layout(fragments: Sequence[FragmentSpec], layout: RankLayout, world_s
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float64)  # float16: numpy and torch may round differently
+_TORCH_GRAIN = 32768
+"""Elements below which torch computes an elementwise op on the calling thread alone
+(``at::internal::GRAIN_SIZE``): there its own subtraction costs less than the trip
+through NumPy."""
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a - b``, the same bits as torch's. Host tensors go through numpy, on this thread
-    alone: torch would wake its intra-op pool (every core by default) for a small,
-    memory-bound op, and on a GPU host those threads contend with the training thread's
-    kernel launches (H200, 19M-parameter GPT, ``make gpu-check``: 3.7 ms per step in this
-    subtraction with torch's 16 threads)."""
+    """``a - b``, the same bits as torch's. Host tensors of ``_TORCH_GRAIN`` elements or
+    more go through numpy, on this thread alone: torch would wake its intra-op pool (every
+    core by default) for a small, memory-bound op, and on a GPU host those threads contend
+    with the training thread's kernel launches (H200, 19M-parameter GPT, ``make
+    gpu-check``: 3.7 ms per step in this subtraction with torch's 16 threads)."""
     if a.device.type != "cpu" or b.device.type != "cpu" or a.dtype != b.dtype or a.dtype not in _NUMPY_DTYPES \
-            or a.shape != b.shape:
+            or a.shape != b.shape or a.numel() < _TORCH_GRAIN:
         return a - b
     out = torch.empty_like(a, memory_format=torch.contiguous_format)
     np.subtract(a.numpy(), b.numpy(), out=out.numpy())

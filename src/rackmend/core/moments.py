@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ class MomentRounds:
         deadlines = [r.clock.deadline for r in self.rounds.values() if r.clock.deadline is not None]
         return min(deadlines) if deadlines else None
 
-    def due(self, key: MomentKey, now: float, expected: set[str], grace: Callable[[], float],
+    def due(self, key: MomentKey, now: float, expected: AbstractSet[str], grace: Callable[[], float],
             leave: bool = False) -> bool:
         """Whether round ``key`` closes now. ``leave``: after a graceful leave, close a round
         that waits for nobody any more, quorum or not (as parameter rounds do)."""

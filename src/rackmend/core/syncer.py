@@ -27,7 +27,9 @@ update then carries that encoded change as ``delta`` next to the full value.
 
 from __future__ import annotations
 
+import cmath
 import math
+from bisect import bisect_left, insort
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
@@ -271,8 +273,10 @@ def _share(absent: float, present: Sequence[float]) -> float:
 
 def _finite(t: torch.Tensor) -> bool:
     """All elements finite. A finite sum proves it (any NaN/Inf poisons the sum) with a
-    read-only reduction; only a non-finite sum (or an overflow) needs the exact check."""
-    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+    read-only reduction; only a non-finite sum (or an overflow) needs the exact check.
+    The sum is tested as a Python number: ``torch.isfinite`` of it costs several
+    operators, more than the sum itself for a small tensor."""
+    if t.numel() == 0 or cmath.isfinite(t.sum().item()):
         return True
     return bool(torch.isfinite(t).all())
 
@@ -292,6 +296,15 @@ class Ema:
 class _Member:
     connected: bool
     expected: bool
+
+    changes = 0
+    """Bumped by every change of any member (a class attribute, not a field): the cores'
+    views of their membership (``connected_learners``, ``expected_learners``) are kept
+    until it moves, whoever changed a member and wherever."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        _Member.changes += 1
 
 
 class SyncerCore:
@@ -337,7 +350,12 @@ class SyncerCore:
         self.rejected = 0
         self.tokens_per_step: dict[str, float] = {}
         """Per learner, tokens per step of its latest contribution (for ``token_units``)."""
+        self._rates: list[float] = []
+        """``tokens_per_step``'s values, sorted (the median of the others without a sort per send)."""
         self._units_warned: set[str] = set()
+        self._membership: tuple[tuple[int, int], tuple[str, ...], frozenset[str]] | None = None
+        """``_members_view``'s (key, connected, expected): key is (``_Member.changes``, the
+        member count) when they were computed."""
         self.last_counts: dict[str, tuple[float, int]] = {}
         """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
         it is counted with in a round it misses (``count_absent``)."""
@@ -446,11 +464,9 @@ class SyncerCore:
         values = sorted(v for lid, v in known.items() if lid in connected) or sorted(known.values())
         return values[(len(values) - 1) // 2] if values else None
 
-    def expected_learners(self) -> set[str]:
+    def expected_learners(self) -> frozenset[str]:
         """Learners a round waits for before ending early."""
-        if self.config.deterministic:
-            return {lid for lid, m in self.members.items() if m.expected}
-        return {lid for lid, m in self.members.items() if m.expected and m.connected}
+        return self._members_view()[2]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The current global value of every synchronised tensor (parameters and floating
@@ -463,7 +479,20 @@ class SyncerCore:
         return [f.version for f in self.frags]
 
     def connected_learners(self) -> tuple[str, ...]:
-        return tuple(sorted(lid for lid, m in self.members.items() if m.connected))
+        return self._members_view()[1]
+
+    def _members_view(self) -> tuple[tuple[int, int], tuple[str, ...], frozenset[str]]:
+        """(key, connected learners sorted, expected learners), computed again only after
+        a member changed (asked for at every contribution and merge)."""
+        key = (_Member.changes, len(self.members))
+        view = self._membership
+        if view is None or view[0] != key:
+            members = self.members
+            deterministic = self.config.deterministic
+            view = self._membership = (
+                key, tuple(sorted(lid for lid, m in members.items() if m.connected)),
+                frozenset(lid for lid, m in members.items() if m.expected and (m.connected or deterministic)))
+        return view
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a restarted syncer needs: (tensors by name, plain JSON-able rest).
@@ -756,11 +785,19 @@ class SyncerCore:
         rest of the fleet's: its merge weight would be off by that factor, silently."""
         if c.c_steps <= 0:
             return
-        self.tokens_per_step[c.learner_id] = rate = c.c_tokens / c.c_steps
-        others = sorted(v for lid, v in self.tokens_per_step.items() if lid != c.learner_id)
-        if not others or c.learner_id in self._units_warned:
+        rate = c.c_tokens / c.c_steps
+        rates = self._rates
+        old = self.tokens_per_step.get(c.learner_id)
+        if old != rate:
+            if old is not None:
+                del rates[bisect_left(rates, old)]
+            insort(rates, rate)
+            self.tokens_per_step[c.learner_id] = rate
+        if len(rates) < 2 or c.learner_id in self._units_warned:
             return
-        median = others[len(others) // 2]
+        # The others' median: the sorted rates without one entry equal to this learner's.
+        k = (len(rates) - 1) // 2
+        median = rates[k] if k < bisect_left(rates, rate) else rates[k + 1]
         if rate > 0 and median > 0 and max(rate / median, median / rate) < TOKEN_UNITS_RATIO:
             return
         self._units_warned.add(c.learner_id)

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
@@ -175,6 +176,8 @@ class SimReport:
 (_STEP, _ARRIVE, _DELIVER, _JOIN, _SILENT, _TICK, _KILL, _REJOIN, _WAIT_TIMEOUT, _FAIL, _RESUME,
  _REPAIR) = range(12)
 
+_RESUMED = TrainingResumed()  # carries nothing: one for every step
+
 # What a learner's chips are doing, for the goodput accounting.
 _TRAIN, _PAUSED, _DOWN, _BLOCKED = "train", "paused", "down", "blocked"
 
@@ -197,7 +200,10 @@ class _Learner:
     at: list[int] = field(default_factory=list)
     """Per fragment, the value of ``trained`` its ``local`` value is exact for (the toy model
     is computed in closed form when something reads or changes a value)."""
-    target64: list[torch.Tensor] = field(default_factory=list)
+    local_np: list[np.ndarray] = field(default_factory=list)
+    """Per fragment, ``local``'s tensor as a NumPy array (the same memory): the closed form
+    runs on these, a tenth of torch's cost per operator on a small fragment."""
+    target64: list[np.ndarray] = field(default_factory=list)
     alive: bool = False
     life: int = 0
     """Incarnation: events of an earlier life are dropped."""
@@ -206,6 +212,11 @@ class _Learner:
     wake_at: float | None = None
     ends: deque = field(default_factory=deque)
     """End times of the step in progress and of the steps drawn after it."""
+    jitter: deque = field(default_factory=deque)
+    """With step jitter, the draw u of each step in ``ends`` (empty without jitter)."""
+    undrawn: list[float] = field(default_factory=list)
+    """Draws of steps planned and then dropped before they started, reversed: the next
+    steps take them first, so that how far ahead steps were planned changes nothing."""
     step_start: float = 0.0
     """When the step in progress (``ends[0]``) started."""
     state: str = _BLOCKED
@@ -243,10 +254,19 @@ _BUCKETS = ("computing", "lost", "down", "paused", "failed", "blocked")
 
 
 class Simulation:
-    """One run of ``config``; ``run()`` returns its ``SimReport``."""
+    """One run of ``config``; ``run()`` returns its ``SimReport``.
 
-    def __init__(self, config: SimConfig) -> None:
+    ``every_step``: wake each learner at every inner step and hand its core every event a
+    training loop would (``ApplyDue`` included), instead of only at the steps where the
+    core can act. The same run, several times slower: it checks that skipping changes
+    nothing."""
+
+    def __init__(self, config: SimConfig, *, every_step: bool = False) -> None:
         self.config = config
+        self.every_step = every_step
+        self._each_step = every_step or config.run.deterministic
+        """Wake every learner at every step: asked for, or in deterministic mode (every
+        step hands the core ``ApplyDue``, which blocks the learner at a value not arrived)."""
         run = config.run
         sch = run.schedule
         gen = torch.Generator().manual_seed(config.seed)
@@ -287,7 +307,7 @@ class Simulation:
         # c + (1 - lr*h)^k (x - c), so a learner's value is computed only when something
         # reads or changes it (a send, an apply), not at each of its steps.
         self._decay = [(1.0 - config.lr * h.double()) for h in self.curvature]
-        self._powers: dict[int, list[torch.Tensor]] = {}
+        self._powers: dict[int, list[np.ndarray]] = {}
         # When each fragment is due: step s sends the fragments whose offset is s mod H, so
         # the steps to the next send depend only on s mod H (looked up, not searched).
         H = sch.sync_every
@@ -346,12 +366,12 @@ class Simulation:
         lr.at[p] = lr.trained
         powers = self._powers.get(k)
         if powers is None:
-            powers = [d.pow(k) for d in self._decay]
+            powers = [d.pow(k).numpy() for d in self._decay]
             if len(self._powers) < 4096:  # k is mostly a few values near H; bounded anyway
                 self._powers[k] = powers
         c = lr.target64[p]
-        x = lr.local[p][0]
-        x.copy_(c + powers[p] * (x.double() - c))
+        x = lr.local_np[p]
+        np.copyto(x, c + powers[p] * (x - c))  # in float64, rounded to x's float32 as torch's copy_ does
 
     # ---------------------------------------------------------------- accounting
     def _set_state(self, lr: _Learner, state: str) -> None:
@@ -390,7 +410,8 @@ class Simulation:
         # that a value the join failed to set shows as a rejected contribution.
         lr.local = [[torch.full_like(t, math.nan)] for t in self.start]
         lr.trained, lr.at = 0, [0] * len(self.specs)
-        lr.target64 = [c.double() for c in lr.target]
+        lr.local_np = [x.numpy() for (x,) in lr.local]
+        lr.target64 = [c.double().numpy() for c in lr.target]
         lr.joining, lr.inbox, lr.waiting = {}, [], None
         lr.ends.clear()
         lr.wake_at = None
@@ -404,13 +425,28 @@ class Simulation:
         self._draw_failure(lr)
 
     def _step_time(self, lr: _Learner, start: float) -> float:
+        """The time of the learner's next step planned (it starts at ``start``)."""
         spec = self.config.racks[lr.index]
         factor = 1.0
         for s in self._slowdowns[lr.index]:
             if s.start <= start < s.end:
                 factor *= s.factor
-        u = self.rngs[lr.index].uniform(-1.0, 1.0) if spec.jitter else 0.0
+        if not spec.jitter:
+            return spec.step_time * factor
+        u = lr.undrawn.pop() if lr.undrawn else self.rngs[lr.index].uniform(-1.0, 1.0)
+        lr.jitter.append(u)
         return spec.step_time * factor * (1.0 + spec.jitter * u)
+
+    def _unplan(self, lr: _Learner) -> None:
+        """Drop the steps planned: the one in progress is over (lost), the later ones
+        never started and give their jitter draws back."""
+        if lr.jitter:
+            lr.jitter.popleft()
+            lr.undrawn.extend(reversed(lr.jitter))
+            lr.jitter.clear()
+        lr.ends.clear()
+        lr.gen += 1
+        lr.wake_at = None
 
     def _tokens(self, lr: _Learner) -> float:
         """Tokens of one step: the rack's, scaled by the share of its chips training."""
@@ -434,14 +470,27 @@ class Simulation:
         self._plan(lr)
 
     def _plan(self, lr: _Learner) -> None:
-        """Schedule the learner's next wake-up: the end of its next step that matters (a
-        fragment is due, something arrived, a value waits to be applied). The steps before
-        it only count; they run when it wakes (``_catch_up``)."""
-        assert lr.core is not None
-        if lr.inbox or self.config.run.deterministic or any(f.arrived is not None for f in lr.core.fragments):
+        """Schedule the learner's next wake-up: the end of its next step that matters: a
+        fragment is due, a value held or arrived can be applied (at t_send + tau of the
+        fragment's own send, or the first step after it arrives if later: the learner
+        core's rule), or a rejoin answer arrived. The steps before it only count; they
+        run when it wakes (``_catch_up``), and what arrived meanwhile is handed to the
+        core at that step: a merged value is only held until it is applied, so taking it
+        in a few steps later changes nothing."""
+        core = lr.core
+        assert core is not None
+        step, inbox = core.step, lr.inbox
+        if self._each_step or (inbox and any(u.reset for u in inbox)):
             j = 0
         else:
-            j = self._due_gap[(lr.core.step + 1) % self.config.run.schedule.sync_every]
+            j = self._due_gap[(step + 1) % len(self._due_gap)]
+            if j:
+                last = step + 1 - self.config.run.schedule.overlap  # a send at or before it is due next step
+                for f in core.fragments:
+                    sent = f.in_flight
+                    if sent is not None and (f.arrived is not None or
+                                             (inbox and any(u.fragment == f.index for u in inbox))):
+                        j = min(j, max(0, sent.step - last))
         ends = lr.ends
         while len(ends) <= j:
             start = ends[-1] if ends else lr.step_start
@@ -453,22 +502,30 @@ class Simulation:
             self._push(t, _STEP, (lr.index, lr.life, lr.gen))
 
     def _catch_up(self, lr: _Learner, until: float) -> None:
-        """Run the steps that end before ``until``: steps with nothing due and nothing
-        arrived, where the core only counts (its actions are none, checked)."""
+        """Run the steps that end before ``until``: steps with nothing due or to apply,
+        where the core only counts (its actions are none, checked); what arrived meanwhile
+        waits for the wake-up step (``_plan``)."""
         core = lr.core
         assert core is not None
-        ends, handle = lr.ends, core.handle
-        tokens = self._tokens(lr)
+        ends, handle, jitter = lr.ends, core.handle, lr.jitter
+        if not ends or ends[0] >= until:
+            return
+        done = InnerStepDone(self._tokens(lr))  # one event for all of them: the core keeps none
+        start, active, done_cs, n = lr.step_start, lr.active, lr.done_cs, 0
         while ends and ends[0] < until:
             t = ends.popleft()
-            lr.done_cs += (t - lr.step_start) * lr.active
-            lr.steps += 1
-            lr.trained += 1
-            if handle(InnerStepDone(tokens), t):
+            if jitter:
+                jitter.popleft()
+            done_cs += (t - start) * active
+            n += 1
+            if handle(done, t):
                 raise SimulationError(f"learner {lr.lid}: step {core.step} at t={t:g} was taken for one with nothing "
                                       "to do, but the core acted on it (a simulator bug)")
-            handle(TrainingResumed(), t)
-            lr.step_start = t
+            handle(_RESUMED, t)
+            start = t
+        lr.step_start, lr.done_cs = start, done_cs
+        lr.steps += n
+        lr.trained += n
 
     def _on_step(self, i: int, life: int, gen: int) -> None:
         lr = self.learners[i]
@@ -479,6 +536,8 @@ class Simulation:
         lr.wake_at = None
         self._catch_up(lr, self.now)
         t = lr.ends.popleft()
+        if lr.jitter:
+            lr.jitter.popleft()
         assert t == self.now, (t, self.now)
         lr.done_cs += (t - lr.step_start) * lr.active
         lr.steps += 1
@@ -488,11 +547,11 @@ class Simulation:
         self._carry(lr, core.handle(InnerStepDone(self._tokens(lr), arrived), self.now))
         # ApplyDue acts only on a value held (or, deterministic, on a wait); without one it
         # returns nothing, so it is skipped (the same decisions, less work).
-        if self.config.run.deterministic or any(f.arrived is not None for f in core.fragments):
+        if self._each_step or any(f.arrived is not None for f in core.fragments):
             self._carry(lr, core.handle(ApplyDue(), self.now))
         lr.step_start = self.now
         if lr.waiting is None:
-            core.handle(TrainingResumed(), self.now)
+            core.handle(_RESUMED, self.now)
             self._plan(lr)
         else:
             self._set_state(lr, _BLOCKED)
@@ -517,8 +576,8 @@ class Simulation:
         lr.inbox.append(upd)
         if lr.waiting is not None:
             self._answer_wait(lr)
-        elif lr.state == _TRAIN and len(lr.inbox) == 1:
-            # The step in progress absorbs it: run the steps before, wake at its end.
+        elif lr.state == _TRAIN:
+            # It may be applied earlier than the planned wake-up: run the steps before, plan again.
             self._catch_up(lr, self.now)
             self._plan(lr)
 
@@ -603,33 +662,29 @@ class Simulation:
             self._push(self.now + f.restart_time, _REJOIN, (i, lr.kill_token))
             return
         lost = min(f.chips_per_failure, lr.active)
-        self._set_state(lr, lr.state)  # close the interval at the old chip count
-        lr.active -= lost
         self._push(self.now + f.repair_time, _REPAIR, (i, lr.life, lost))
-        self._pause(lr, f.downscale_time)
+        self._pause(lr, f.downscale_time, lr.active - lost)
         self._draw_failure(lr)
 
     def _on_repair(self, i: int, life: int, chips: int) -> None:
         lr = self.learners[i]
         if not lr.alive or lr.life != life:
             return  # a restart brought the learner back whole already
-        self._set_state(lr, lr.state)
-        lr.active = min(lr.chips, lr.active + chips)
-        self._pause(lr, self.config.failures.upscale_time)
+        self._pause(lr, self.config.failures.upscale_time, min(lr.chips, lr.active + chips))
         self._draw_failure(lr)
 
-    def _pause(self, lr: _Learner, seconds: float) -> None:
-        """An elastic reshape: the step in progress is lost, no step runs for ``seconds``."""
-        if lr.state == _TRAIN:
+    def _pause(self, lr: _Learner, seconds: float, active: int) -> None:
+        """An elastic reshape to ``active`` chips: the step in progress is lost, no step
+        runs for ``seconds``. What happened before counts at the chips it ran on."""
+        was = lr.state
+        if was == _TRAIN:
             self._catch_up(lr, self.now)
-            lr.acct["lost"] += (self.now - lr.step_start) * (lr.active if lr.active else 0)
-            lr.ends.clear()
-            lr.gen += 1
-            lr.wake_at = None
-            self._set_state(lr, _PAUSED)
+            lr.acct["lost"] += (self.now - lr.step_start) * lr.active
+            self._unplan(lr)
             lr.paused_until = self.now
-            self._extend_pause(lr, seconds)
-        elif lr.state == _PAUSED:
+        self._set_state(lr, _PAUSED if was == _TRAIN else was)  # closes the interval at the old chip count
+        lr.active = active
+        if was in (_TRAIN, _PAUSED):
             self._extend_pause(lr, seconds)
         else:
             lr.pause_debt += seconds  # joining or waiting: served when it would train again
@@ -743,17 +798,15 @@ class Simulation:
         if lr.state == _TRAIN:
             self._catch_up(lr, self.now)
             lr.acct["lost"] += (self.now - lr.step_start) * lr.active
+        self._unplan(lr)
         lr.acct["lost"] += math.fsum(lr.done_cs - s for s in lr.sent_cs) / len(self.specs)
         lr.done_cs, lr.sent_cs = 0.0, [0.0] * len(self.specs)
         if lr.waiting is not None or lr.joining is not None:
             lr.idle += self.now - lr.blocked_since
         self._set_state(lr, _DOWN)
         lr.alive, lr.waiting, lr.joining, lr.inbox = False, None, None, []
-        lr.ends.clear()
-        lr.gen += 1
         lr.fgen += 1
         lr.kill_token += 1
-        lr.wake_at = None
         lr.died_at = self.now
         if self.config.silence_timeout is not None:
             self._push(self.now + self.config.silence_timeout, _SILENT, (lr.index, lr.life))
