@@ -6,6 +6,7 @@ The round logic lives in ``rackmend.core``; the wire format in ``rackmend.transp
 """
 
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
-from rackmend.service.syncer import ServiceConfig, SyncerService
+from rackmend.service.config import ServiceConfig
+from rackmend.service.syncer import SyncerService
 
 __all__ = ["ServiceConfig", "SyncerService", "load_checkpoint", "save_checkpoint"]

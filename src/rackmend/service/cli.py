@@ -44,7 +44,7 @@ from rackmend.config import (
     field_docs,
     literal_choices,
 )
-from rackmend.service.syncer import ServiceConfig
+from rackmend.service.config import ServiceConfig
 
 __all__ = ["OPTIONS", "Option", "add_syncer_arguments", "resolve", "build", "config_flags", "options_markdown",
            "syncer_main", "add_keygen_arguments", "keygen_main"]

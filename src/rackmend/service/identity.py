@@ -5,7 +5,8 @@
 - ``EventLimiter``: per-peer rate limit of the log lines that bad input produces, with
   a count of what was left out, so a junk flood cannot grow the log without bound.
 
-Nothing here touches sockets; ``service.syncer`` asks these before it acts.
+Nothing here touches sockets; ``service.membership`` and ``service.syncer`` ask these
+before they act.
 """
 
 from __future__ import annotations

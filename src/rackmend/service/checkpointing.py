@@ -1,0 +1,107 @@
+"""What the syncer service saves in its checkpoints and reads back to resume.
+
+``Checkpoints`` writes the core's state with the service's own part (the model's whole
+layout, the shard, the merge and refusal counts, the learner whose settings the run
+uses), and on resume reads it back as a ``Saved``, checking it is this shard's. When to
+write (every ``checkpoint_every`` merges, at shutdown) is the service's
+(``rackmend.service.syncer``); the file itself (atomic write, safe load) is
+``rackmend.service.checkpoint``'s; the core's tensors and their keys are
+``SyncerCore.state_dict``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rackmend.config import ConfigError
+from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
+from rackmend.core.settings import LearnerSettings
+from rackmend.core.shards import Shard, parse_shard
+from rackmend.core.syncer import SyncerCore
+from rackmend.core.syncer_fragment import global_values
+from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.metrics import SyncerMetrics
+
+__all__ = ["Checkpoints", "Saved"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """A checkpoint read back for ``resume``."""
+
+    layout: list[FragmentSpec]
+    """The model's whole layout (every fragment, in the model's numbering)."""
+    values: list[list[torch.Tensor]]
+    """Per fragment of this shard (from 0), its saved value: what the core starts from."""
+    first: tuple[str, LearnerSettings] | None
+    """The learner whose H and P the run uses; None in checkpoints that predate it."""
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    """Both for ``SyncerCore.load_state_dict``."""
+    merges: int
+    rejected_messages: int
+
+
+class Checkpoints:
+    """The checkpoints of one syncer in ``directory`` (None: none are written)."""
+
+    def __init__(self, directory: str | None, shard: Shard, clock: Callable[[], float], metrics: SyncerMetrics,
+                 event: Callable[..., None]) -> None:
+        self.directory = directory
+        self.shard = shard
+        self.clock = clock
+        self.metrics = metrics
+        self._event = event
+        self.at: float | None = None
+        """When the last checkpoint was written (None: none yet)."""
+
+    def save(self, core: SyncerCore | None, *, layout: list[FragmentSpec] | None, merges: int,
+             rejected_messages: int, first: tuple[str, LearnerSettings] | None) -> Path | None:
+        """Write ``core``'s state with the service's; None without a core or a directory."""
+        if core is None or not self.directory:
+            return None
+        tensors, meta = core.state_dict()
+        assert layout is not None
+        # The model's whole layout and this shard's place in it: ``theta/{p}/...`` count the
+        # shard's fragments from 0 (``Shard.fragments``); export and resume map them back.
+        meta = {**meta, "layout": layout_to_wire(layout), "shard": str(self.shard), "merges": merges,
+                "rejected_messages": rejected_messages}
+        if first is not None:
+            meta["first_learner"] = {"learner": first[0], "settings": first[1].to_wire()}
+        path = save_checkpoint(self.directory, tensors, meta)
+        self.at = self.clock()
+        self.metrics.checkpointed(self.at)
+        self._event("checkpoint", path=str(path), versions=list(core.versions), **self.shard_field())
+        return path
+
+    def load(self) -> Saved:
+        """The checkpoint in the directory; a ``ConfigError`` where there is none or it is
+        another shard's."""
+        loaded = load_checkpoint(self.directory or "")
+        if loaded is None:
+            raise ConfigError(f"resume: no checkpoint in {self.directory}")
+        tensors, meta = loaded
+        saved = parse_shard(meta.get("shard", "0/1"))  # checkpoints written before shards: the whole model
+        if saved != self.shard:
+            raise ConfigError(f"resume: the checkpoint in {self.directory} is syncer shard {saved}'s, "
+                              f"this syncer is --shard {self.shard}; give each shard its own --checkpoint-dir and "
+                              "resume it with the --shard it was started with")
+        whole = layout_from_wire(meta["layout"])
+        layout = self.shard.fragments(whole)
+        try:
+            values = global_values(tensors, layout)
+        except ValueError as exc:
+            raise ConfigError(f"resume: the checkpoint in {self.directory}: {exc}") from None
+        first = meta.get("first_learner")
+        return Saved(layout=whole, values=values,
+                     first=None if first is None else (first["learner"], LearnerSettings(**first["settings"])),
+                     tensors=tensors, meta=meta, merges=int(meta.get("merges", 0)),
+                     rejected_messages=int(meta.get("rejected_messages", 0)))
+
+    def shard_field(self) -> dict[str, str]:
+        """For records that list every fragment's version: which fragments (a shard's, from 0)."""
+        return {} if self.shard.whole else {"shard": str(self.shard)}
