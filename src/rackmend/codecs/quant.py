@@ -12,8 +12,9 @@ byte, element ``2i`` in the low nibble), so zero is exact and ``-x`` encodes as 
 Blocks exist because gradients mix tiny and huge values: one scale per tensor would
 round every small block to zero; a per-block scale keeps each block's error relative
 to its own magnitude. All of it is vectorised: whole-block tensor ops, run over
-cache-sized chunks on the CPU (a loop over ~64 chunks for 16M elements, never over
-blocks or elements), plus one gathered op for the partial tail.
+cache-sized chunks on the CPU (a loop over 64 chunks to encode 16M elements, 16 to
+decode them, never over blocks or elements), plus one gathered op for the partial
+tail. A decode's chunks can run on several threads at once (``decode_parts``).
 """
 
 from __future__ import annotations
@@ -163,9 +164,10 @@ def _chunk_step(n: int, unit: int, device: torch.device, chunk: int = _CPU_CHUNK
 
 _DECODE_CHUNK = 1 << 20
 """Elements per chunk of a decode on the CPU, and per job of ``decode_parts``. Decoding
-is half a dozen cheap ops per chunk, so the per-op cost of ~256k-element chunks was a
-fifth of it; 1M elements (4 MB of float32 out, in L3) decoded ~1.3x faster, and a
-64 MB fragment still makes 16 jobs for a pool's workers to share."""
+is half a dozen cheap ops per chunk, each with a fixed cost per call that weighs on
+``_CPU_CHUNK``-sized chunks; at 1M elements (4 MB of float32 out, in L3) it does not,
+and a 64 MB fragment still makes 16 jobs for a pool's workers to share."""
+
 
 def _tail_index(start: int, n: int, block_size: int, device: torch.device) -> torch.Tensor:
     """Block index of each element in the tail [start, n) (fewer than two blocks)."""
@@ -373,7 +375,7 @@ class Int4Codec(_BlockQuantCodec):
     def _chunk_levels(self, enc: Encoded, start: int, stop: int) -> torch.Tensor:
         # Byte b = hi << 4 | lo, widened to int16 and spread to lo | hi << 8, is the byte
         # pair (lo, hi) in memory: elements 2i and 2i + 1 in order, in four contiguous
-        # ops over 2-byte words instead of two strided ones over bytes (4x faster).
+        # ops over 2-byte words instead of two strided ones over bytes (the slow part).
         # Little-endian, as the wire's frames are (and are read) throughout.
         p = enc.frames[1][start // 2 : (stop + 1) // 2]
         dev = p.device

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from rackmend.config import MERGES, WEIGHTINGS, check_choice
 from rackmend.buffers import empty_float32, scratch
+from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
 __all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "parallel_ranges",
            "ACC_DTYPE"]
