@@ -5,8 +5,8 @@ A syncer decodes every compressed contribution into fresh float32 memory, keeps 
 until the round merges, then drops it; the merge's result lives for one outer step.
 Large blocks come from the OS, and glibc hands them back when they are freed (any
 block above its mmap threshold, and the top of the heap past its trim threshold), so
-the next round faults every 4 KiB page in anew: on the 2-core VM that was up to half
-the cost of an int4 decode (``benchmarks/syncer_capacity.py``). Here the buffers
+the next round faults every 4 KiB page in anew (8 learners' 64 MB fragments: 131k
+page faults a round, in ``benchmarks/syncer_capacity.py``). Here the buffers
 handed out are kept, and a later request of the same size takes one back when its
 storage is referenced by nothing but this module: no tensor, view, numpy array or
 storage object of it is left anywhere. No I/O, no clock: the sans-I/O core uses it too.
