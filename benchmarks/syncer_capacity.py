@@ -13,6 +13,10 @@ machine's memory gives), GB/s of fragment bytes coming in (M x the float32 size)
 - ``int8``/``int4 decode+merge``: the learners' encoded messages parsed and decoded as the
   service receives them (``wire.parse_contribution`` with the pool), then merge + step;
 - ``int8``/``int4 round``: decode, then the whole round through ``SyncerCore``;
+- ``int4 decode next || merge`` (2 threads): the next round's messages decoded on another
+  thread (over the pool) while this thread merges and steps the round decoded before:
+  whether receiving the next contributions can overlap merging; GB/s of one round over
+  the wall time of both;
 - ``2 shards``: two shard processes side by side (one thread each, half the bytes each),
   started together; GB/s over both, against the 2-thread copy.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -97,6 +102,16 @@ class Round:
             out.append(list(wire.parse_contribution(msg, [self.spec], self.pool).tensors))
         return out
 
+    def decode_overlapping(self, codec: str, decoded: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The next round decoded on another thread while ``decoded`` merges on this one."""
+        out: list[list[list[torch.Tensor]]] = []
+        receiver = threading.Thread(target=lambda: out.append(self.decode(codec)))
+        receiver.start()
+        self.merge_outer(decoded)
+        receiver.join(600)
+        assert out, "the decode did not finish"
+        return out[0]
+
     def core_round(self, deltas: list[list[torch.Tensor]] | None = None) -> None:
         r = self.round
         for i, lid in enumerate(self.ids):
@@ -130,6 +145,10 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
             for codec in ("int8", "int4"):
                 row[f"{codec} decode+merge"] = _timed(lambda: rnd.merge_outer(rnd.decode(codec)))
                 row[f"{codec} round"] = _timed(lambda: rnd.core_round(rnd.decode(codec)))
+            if pool is not None:
+                previous = rnd.decode("int4")
+                row["int4 decode next || merge"] = _timed(lambda: rnd.decode_overlapping("int4", previous))
+                del previous
             if r:
                 for k, v in row.items():
                     secs.setdefault(k, []).append(v)
@@ -221,10 +240,10 @@ def main() -> None:
     rows["2 shards, 1t each"] = {"gbps": summary([nbytes / w / 1e9 for w in walls]),
                                  "ratio": summary([copy2 / w for w in walls])}
     print(f"\nGB/s of fragment bytes in ({repeats} repeats; ratio: copy time / path time, side by side)")
-    print(f"{'path':<28} {'GB/s':>7} {'min':>7} {'max':>7} {'x copy':>7} {'min':>6} {'max':>6}")
+    print(f"{'path':<32} {'GB/s':>7} {'min':>7} {'max':>7} {'x copy':>7} {'min':>6} {'max':>6}")
     for name, r in rows.items():
         g, q = r["gbps"], r["ratio"]
-        print(f"{name:<28} {g['median']:>7.2f} {g['min']:>7.2f} {g['max']:>7.2f} {q['median']:>7.2f} "
+        print(f"{name:<32} {g['median']:>7.2f} {g['min']:>7.2f} {g['max']:>7.2f} {q['median']:>7.2f} "
               f"{q['min']:>6.2f} {q['max']:>6.2f}")
     measured = {"fp32": rows["fp32 round (1t)"]["gbps"]["median"], "int4": rows["int4 round (1t)"]["gbps"]["median"]}
     sizing = plan(measured)
@@ -241,6 +260,7 @@ def main() -> None:
            {"fp32_merge_2t_x_copy": pick("fp32 merge+outer (2t)"), "fp32_merge_1t_x_copy": pick("fp32 merge+outer (1t)"),
             "int4_decode_merge_2t_x_copy": pick("int4 decode+merge (2t)"),
             "int8_decode_merge_2t_x_copy": pick("int8 decode+merge (2t)"),
+            "int4_decode_next_while_merging_2t_x_copy": pick("int4 decode next || merge (2t)"),
             "fp32_round_2t_x_copy": pick("fp32 round (2t)"), "int4_round_2t_x_copy": pick("int4 round (2t)"),
             "two_shards_x_copy": pick("2 shards, 1t each"),
             "fp32_round_2t_gbps": rows["fp32 round (2t)"]["gbps"]["median"],

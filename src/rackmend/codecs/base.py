@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -202,6 +202,20 @@ class Codec(ABC):
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         """float32 tensor of ``enc.shape`` on the frames' device."""
+        self._check_encoded(enc)
+        return self._decode(enc)
+
+    def decode_parts(self, enc: Encoded) -> tuple[torch.Tensor, list[Callable[[], None]]] | None:
+        """``decode`` cut into parts: (the output, allocated here and now, and jobs that
+        fill disjoint ranges of it, to run in any order or at the same time on other
+        threads; once all have run it holds ``decode(enc)``'s bits). None (the default)
+        for a codec that decodes whole tensors only. The checks run here, so the jobs
+        raise nothing. Allocating on the caller's thread matters on the CPU: glibc serves
+        a worker thread's large blocks from fresh mmaps, each page faulted in anew."""
+        return None
+
+    def _check_encoded(self, enc: Encoded) -> None:
+        """CodecError unless ``enc`` is this codec's, with frames matching its layout."""
         if enc.codec != self.name:
             raise CodecError(f"{self.name}: cannot decode data encoded by {enc.codec!r}")
         layout = self.frame_layout(enc.shape, enc.params)
@@ -212,7 +226,6 @@ class Codec(ABC):
                 raise CodecError(f"{self.name}: frame {i} is {f.numel()} x {f.dtype}, expected {n} x {dtype}")
         if len({f.device for f in enc.frames}) > 1:
             raise CodecError(f"{self.name}: frames are on different devices")
-        return self._decode(enc)
 
     def frame_layout(self, shape: Sequence[int], params: Mapping[str, Any]) -> FrameLayout:
         """Expected (dtype, numel) of each frame for ``shape`` and ``params``;

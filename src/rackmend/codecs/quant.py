@@ -12,18 +12,21 @@ byte, element ``2i`` in the low nibble), so zero is exact and ``-x`` encodes as 
 Blocks exist because gradients mix tiny and huge values: one scale per tensor would
 round every small block to zero; a per-block scale keeps each block's error relative
 to its own magnitude. All of it is vectorised: whole-block tensor ops, run over
-cache-sized chunks on the CPU (a loop over ~64 chunks for 16M elements, never over
-blocks or elements), plus one gathered op for the partial tail.
+cache-sized chunks on the CPU (a loop over 64 chunks to encode 16M elements, 16 to
+decode them, never over blocks or elements), plus one gathered op for the partial
+tail. A decode's chunks can run on several threads at once (``decode_parts``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 
+from rackmend.buffers import empty_float32, scratch
 from rackmend.codecs.base import (
     Codec,
     CodecError,
@@ -150,8 +153,20 @@ def _chunks(n: int, block_size: int, unit: int, device: torch.device) -> tuple[l
     """(start, stop) chunks covering [0, main) in whole ``unit``s (a multiple of the
     block size), and ``main``; the tail [main, n) is shorter than one unit."""
     main = (n // unit) * unit
-    step = max(unit, (_CPU_CHUNK // unit) * unit) if device.type == "cpu" else max(main, unit)
+    step = _chunk_step(n, unit, device)
     return [(s, min(s + step, main)) for s in range(0, main, step)], main
+
+
+def _chunk_step(n: int, unit: int, device: torch.device, chunk: int = _CPU_CHUNK) -> int:
+    """Length of ``_chunks``' chunks (the last may be shorter): about ``chunk`` on the CPU."""
+    return max(unit, (chunk // unit) * unit) if device.type == "cpu" else max((n // unit) * unit, unit)
+
+
+_DECODE_CHUNK = 1 << 20
+"""Elements per chunk of a decode on the CPU, and per job of ``decode_parts``. Decoding
+is half a dozen cheap ops per chunk, each with a fixed cost per call that weighs on
+``_CPU_CHUNK``-sized chunks; at 1M elements (4 MB of float32 out, in L3) it does not,
+and a 64 MB fragment still makes 16 jobs for a pool's workers to share."""
 
 
 def _tail_index(start: int, n: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -228,23 +243,46 @@ class _BlockQuantCodec(Codec):
             tail = flat[main:] * inv[_tail_index(main, n, bs, dev)]
             yield main, tail.round_().clamp_(-self.qmax, self.qmax)
 
-    def _dequantize(
-        self, n: int, scale: torch.Tensor, block_size: int, levels: Callable[[int, int], torch.Tensor]
-    ) -> torch.Tensor:
-        """out[i] = levels[i] * scale[block of i], with ``levels(start, stop)`` giving
-        the integer levels of a chunk (int8, any memory it likes until the next call)."""
-        dev = scale.device
-        out = torch.empty(n, dtype=torch.float32, device=dev)
-        chunks, main = _chunks(n, block_size, block_size * self.unit, dev)
-        for s, e in chunks:
-            o = out[s:e]
-            o.copy_(levels(s, e))
-            o.view(-1, block_size).mul_(scale[s // block_size : e // block_size, None])
-        if main < n:
-            o = out[main:]
-            o.copy_(levels(main, n))
-            o.mul_(scale[_tail_index(main, n, block_size, dev)])
+    def _chunk_levels(self, enc: Encoded, start: int, stop: int) -> torch.Tensor:
+        """The int8 levels of elements [start, stop) (``start`` a multiple of the unit),
+        in any memory until the next call on this thread."""
+        raise NotImplementedError
+
+    def decode_parts(self, enc: Encoded) -> tuple[torch.Tensor, list[Callable[[], None]]]:
+        self._check_encoded(enc)
+        return self._parts(enc)
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        out, jobs = self._parts(enc)
+        for job in jobs:
+            job()
         return out
+
+    def _parts(self, enc: Encoded) -> tuple[torch.Tensor, list[Callable[[], None]]]:
+        """The output and the jobs that fill it, one chunk each, the partial tail block
+        with the last (on CUDA one job: the whole tensor is one chunk)."""
+        n, dev = numel(enc.shape), enc.frames[0].device
+        out = empty_float32(n, dev)  # the memory of an earlier decode, where none holds it
+        unit = int(enc.params["block_size"]) * self.unit
+        main, step = (n // unit) * unit, _chunk_step(n, unit, dev, _DECODE_CHUNK)
+        starts = list(range(0, main, step)) if main else [0] if n else []  # [0]: a tail alone
+        stops = starts[1:] + [n]
+        jobs = [partial(self._dequantize_into, enc, out, lo, hi) for lo, hi in zip(starts, stops)]
+        return out.view(enc.shape), jobs
+
+    def _dequantize_into(self, enc: Encoded, out: torch.Tensor, start: int, stop: int) -> None:
+        """out[i] = level[i] * scale[block of i] for i in [start, stop): one chunk of whole
+        units, and the partial tail block where ``stop`` reaches past the last unit."""
+        scale, bs, n = enc.frames[0], int(enc.params["block_size"]), out.numel()
+        main = min(stop, (n // (bs * self.unit)) * bs * self.unit)
+        if start < main:
+            o = out[start:main]
+            o.copy_(self._chunk_levels(enc, start, main))
+            o.view(-1, bs).mul_(scale[start // bs : main // bs, None])
+        if main < stop:
+            o = out[main:stop]
+            o.copy_(self._chunk_levels(enc, main, stop))
+            o.mul_(scale[_tail_index(main, stop, bs, out.device)])
 
     def error_bound(self, x: torch.Tensor) -> float:
         """``max_b s_b * (1/2 + qmax * 2**-21) + qmax * 2**-126``, s_b = absmax_b / qmax.
@@ -291,11 +329,8 @@ class Int8Codec(_BlockQuantCodec):
         return Encoded(codec=self.name, shape=tuple(x.shape), params=self.wire_params(tuple(x.shape)),
                        frames=(scale, q))
 
-    def _decode(self, enc: Encoded) -> torch.Tensor:
-        scale, q = enc.frames
-        n = numel(enc.shape)
-        out = self._dequantize(n, scale, int(enc.params["block_size"]), lambda s, e: q[s:e])
-        return out.view(enc.shape)
+    def _chunk_levels(self, enc: Encoded, start: int, stop: int) -> torch.Tensor:
+        return enc.frames[1][start:stop]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,19 +372,15 @@ class Int4Codec(_BlockQuantCodec):
         return Encoded(codec=self.name, shape=tuple(x.shape), params=self.wire_params(tuple(x.shape)),
                        frames=(scale, packed))
 
-    def _decode(self, enc: Encoded) -> torch.Tensor:
-        scale, packed = enc.frames
-        n = numel(enc.shape)
-        buf = torch.empty(0, 2, dtype=torch.uint8, device=packed.device)
-
-        def levels(s: int, e: int) -> torch.Tensor:
-            nonlocal buf
-            p = packed[s // 2 : (e + 1) // 2]
-            if buf.shape[0] < p.numel():
-                buf = torch.empty(p.numel(), 2, dtype=torch.uint8, device=packed.device)
-            nib = buf[: p.numel()]
-            torch.bitwise_and(p, 15, out=nib[:, 0])
-            torch.bitwise_right_shift(p, 4, out=nib[:, 1])
-            return nib.view(-1)[: e - s].view(torch.int8).sub_(8)  # nibble 0 (never sent) decodes to -8
-
-        return self._dequantize(n, scale, int(enc.params["block_size"]), levels).view(enc.shape)
+    def _chunk_levels(self, enc: Encoded, start: int, stop: int) -> torch.Tensor:
+        # Byte b = hi << 4 | lo, widened to int16 and spread to lo | hi << 8, is the byte
+        # pair (lo, hi) in memory: elements 2i and 2i + 1 in order, in four contiguous
+        # ops over 2-byte words instead of two strided ones over bytes (the slow part).
+        # Little-endian, as the wire's frames are (and are read) throughout.
+        p = enc.frames[1][start // 2 : (stop + 1) // 2]
+        dev = p.device
+        wide = scratch("int4_wide", p.numel(), torch.int16, dev)
+        pairs = scratch("int4_pairs", p.numel(), torch.int16, dev)
+        wide.copy_(p)
+        torch.bitwise_left_shift(wide, 4, out=pairs).bitwise_or_(wide).bitwise_and_(0x0F0F)
+        return pairs.view(torch.int8)[: stop - start].sub_(8)  # nibble 0 (never sent) decodes to -8

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from rackmend.buffers import empty_float32, scratch
 from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
 __all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "parallel_ranges",
@@ -101,12 +102,13 @@ def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dty
     each core's L2: the work scales with the cores, where torch's own threads would split
     every 64k-element add and wait for each)."""
     flat = [t.reshape(-1) for t in tensors]
-    out = torch.empty(tensors[0].shape, dtype=dtype, device=tensors[0].device)
-    out_flat = out.view(-1)
-    n = out_flat.numel()
+    n, dev = tensors[0].numel(), tensors[0].device
+    # A float32 result lives for one outer step: the memory of an earlier one, where idle.
+    out_flat = empty_float32(n, dev) if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=dev)
+    out = out_flat.view(tensors[0].shape)
 
     def run(lo: int, hi: int) -> None:
-        acc = torch.empty(min(hi - lo, _CHUNK), dtype=ACC_DTYPE, device=out.device)
+        acc = scratch("merge_acc", min(hi - lo, _CHUNK), ACC_DTYPE, out.device)
         for start in range(lo, hi, _CHUNK):
             end = min(hi, start + _CHUNK)
             a = acc[: end - start]

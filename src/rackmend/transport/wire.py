@@ -14,12 +14,13 @@ import re
 import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence, cast
 
 import msgpack
 import torch
 
-from rackmend.codecs.base import CodecError, Encoded
+from rackmend.codecs.base import Codec, CodecError, Encoded
 from rackmend.config import APPLY_RULES, WEIGHTINGS
 from rackmend.codecs.registry import CODECS, codec_by_id
 from rackmend.codecs.registry import parse_codec_spec
@@ -524,7 +525,8 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
                   ) -> tuple[tuple[torch.Tensor, ...], tuple[Encoded, ...] | None]:
     """Tensors of ``msg`` checked against ``spec``: (values, None) for codec 0, or
     (decoded float32 values, the encoded tensors) for a compression codec. ``pool``: the
-    tensors are decoded concurrently on its workers (a receiver's spare cores)."""
+    tensors are decoded concurrently on its workers (a receiver's spare cores), in parts
+    of a tensor where the codec has ``decode_parts``, into outputs allocated here."""
     h = msg.header
     codec_id = _field(h, "codec", int)
     meta = _field(h, "tensors", list)
@@ -557,15 +559,35 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
             raise WireError(f"{s.name}: {str(exc)[:500]}") from None
         start += n
 
-    def decode(pair: tuple[TensorSpec, Encoded]) -> torch.Tensor:
+    decoded: list[torch.Tensor | None] = []
+    jobs: list[Callable[[], Any]] = []
+    for s, e in zip(spec.tensors, encoded):
         try:
-            return codec.decode(pair[1])
+            parts = codec.decode_parts(e)
         except CodecError as exc:
-            raise WireError(f"{pair[0].name}: {str(exc)[:500]}") from None
+            raise WireError(f"{s.name}: {str(exc)[:500]}") from None
+        if parts is None:
+            jobs.append(partial(_decode_whole, codec, s, e, decoded, len(decoded)))
+            decoded.append(None)
+        else:
+            decoded.append(parts[0])
+            jobs.extend(parts[1])
+    # Parts of a tensor, not whole tensors, go to the workers: uneven tensors share out evenly.
+    if pool is not None and len(jobs) > 1:
+        for f in [pool.submit(job) for job in jobs]:
+            f.result()
+    else:
+        for job in jobs:
+            job()
+    return cast("tuple[torch.Tensor, ...]", tuple(decoded)), tuple(encoded)  # every job has filled its slot
 
-    pairs = list(zip(spec.tensors, encoded))
-    decoded = list(pool.map(decode, pairs)) if pool is not None and len(pairs) > 1 else [decode(x) for x in pairs]
-    return tuple(decoded), tuple(encoded)
+
+def _decode_whole(codec: Codec, s: TensorSpec, e: Encoded, into: list[torch.Tensor | None], i: int) -> None:
+    """into[i] = the decoded ``e`` (for a codec without ``decode_parts``)."""
+    try:
+        into[i] = codec.decode(e)
+    except CodecError as exc:
+        raise WireError(f"{s.name}: {str(exc)[:500]}") from None
 
 
 def _parse_plain(msg: Message, spec: FragmentSpec, meta: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
