@@ -5,7 +5,7 @@ check or stop request, feed what arrived to the core, carry out its actions. Thi
 module is that loop (``SyncerService``): the socket and what is queued per connection
 (``_send``, ``_flush``), the dispatch of each message (``_on_message``, ``_handle``),
 the seeding of a fresh model by the first learner (``_init``), driving the core
-(``_drive``) and the log. It composes the parts that do not touch the socket:
+(``_drive``, through ``SyncerRunner``) and the log. It composes the parts that do not touch the socket:
 
 - ``service.config``: ``ServiceConfig`` and the message-size bounds;
 - ``service.membership``: peers, hellos, takeovers, the gate of sharded learners,
@@ -40,7 +40,7 @@ import torch
 import zmq
 
 from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
-from rackmend.core.failslow import AdviseLearner, FailSlowBlip, MarkForEviction, RestoreLearner, StopExpecting
+from rackmend.core.failslow import AdviseLearner, FailSlowAction
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.records import Joined, Left, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import LearnerSettings, SyncerSettings
@@ -57,9 +57,9 @@ from rackmend.core.syncer import (
     SendMomentUpdate,
     SendUpdate,
     SyncerCore,
-    SyncTimed,
     Tick,
 )
+from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.service.assembly import PendingInit, PieceAssembly
 from rackmend.service.checkpoint import remove_stale_temps
 from rackmend.service.checkpointing import Checkpoints
@@ -129,6 +129,12 @@ class SyncerService:
         self.metrics = SyncerMetrics(clock, self.shard)
         """Counted whether or not they are served (``metrics_port``)."""
         self.core: SyncerCore | None = None
+        self._runner: SyncerRunner | None = None
+        """Carries out the core's actions (``_drive``); made with the core."""
+        self._cause: bytes | None = None
+        self._join: tuple[int, int] | None = None
+        """What ``_drive`` is driving for, read by the ``_on_*`` methods: the connection,
+        and (rank, world) when it is that rank's join."""
         self.rejected_messages = 0
         self.merges = 0
         self._pending: PendingInit | None = None
@@ -424,26 +430,12 @@ class SyncerService:
         if self._first is None:  # resumed from a checkpoint that predates recorded settings
             self._first = (lid, hello.settings)
         self.members.take_over(ident, lid, rank)  # a holder silent for takeover_after (admit checked)
-        peer = self.members.join(ident, hello, self.core.fragments)
+        self.members.join(ident, hello, self.core.fragments)
         stats.state = "connected"
         self.metrics.joined(lid)
         if ident in self._outboxes:
             self._outboxes[ident].forget_inflight()  # a new session: old sends will not be acknowledged
-        for action in self.core.handle(LearnerJoined(lid), self.clock()):
-            if isinstance(action, Joined):
-                # The core knows learners, not ranks: each rank of a multi-rank learner
-                # joins, so its join says which. Per connection: a hello storm (ids are
-                # first-come without --learners) costs a bounded number of log lines, the
-                # rest counted in 'suppressed'.
-                if self._limiter.allow(("join", ident), self.clock(), peer=ident.hex()):
-                    line = {**action.to_record(), "rank": rank, "world": hello.world}
-                    self._say(line, action.level)
-                    self._record(line)
-            elif isinstance(action, SyncerRecord):
-                self._log_record(self.shard.record(action))
-        for upd in (f.current for f in self.core.frags):
-            if peer.owns(upd.fragment):
-                self._send_update(ident, upd, self._update_frames(peer, upd, reset=True), reset=True)
+        self._drive(LearnerJoined(lid), ident=ident, join=(rank, hello.world))
 
     def _update_frames(self, peer: Peer, upd: Any, reset: bool = False, full: bool = False) -> list[Any]:
         """An update as ``peer`` receives it: its pieces only, or the whole fragment."""
@@ -526,6 +518,9 @@ class SyncerService:
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
         self.core = SyncerCore(config, layout, values, epoch=self.epoch, pool=self._pool)
+        self._runner = SyncerRunner(self.core, self.clock, send_update=self._on_update, record=self._on_record,
+                                    send_moments=self._on_moments, fail_slow=self._on_fail_slow,
+                                    merged=self._on_merged)
         self.tracker.versions_to_metrics(self.core)
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
@@ -533,72 +528,92 @@ class SyncerService:
             self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
                         zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
-    def _drive(self, event: Event, ident: bytes | None = None) -> list[Action]:
-        """Feed ``event`` to the core and carry out its actions; returns them (records in
-        the core's fragment numbering). ``ident``: the connection whose message caused
-        it, whose ``leave`` records are rate-limited per connection."""
-        assert self.core is not None
-        t0 = self.clock()
-        merged: list[int] = []
+    def _drive(self, event: Event, ident: bytes | None = None, join: tuple[int, int] | None = None) -> list[Action]:
+        """Feed ``event`` to the core through ``SyncerRunner``, which hands each action to
+        the ``_on_*`` methods below; returns the actions (records in the core's fragment
+        numbering). ``ident``: the connection whose message caused it (its ``leave`` and
+        ``join`` records are rate-limited per connection); ``join``: (rank, world) of the
+        rank whose hello this ``LearnerJoined`` is."""
+        assert self._runner is not None
         if isinstance(event, LearnerLeft):
             self.metrics.left(event.learner_id)
-        actions = self.core.handle(event, t0)
-        for action in actions:
-            if isinstance(action, SendUpdate):
-                frames = None  # shared by every peer that receives the whole fragment
-                for ident, peer in self.peers.items():
-                    if peer.learner_id in action.to and peer.owns(action.update.fragment):
-                        if peer.cuts[action.update.fragment] is not None:
-                            mine = self._update_frames(peer, action.update, reset=action.reset)
-                        else:
-                            mine = frames = frames or wire.update_frames(
-                                self._out(action.update), reset=action.reset,
-                                syncer=SyncerSettings.from_config(self.config))
-                        self._send_update(ident, action.update, mine, reset=action.reset)
-            elif isinstance(action, SyncerRecord):
-                record = self.shard.record(action)  # the model's fragment numbers from here on
-                self.metrics.record(record)  # before the log's rate limit: metrics count every one
-                if isinstance(record, Rejected):
-                    logged = self._limiter.allow(("reject", record.learner), t0, learner=record.learner)
-                elif isinstance(record, Left) and ident is not None:
-                    logged = self._limiter.allow(("leave", ident), t0, peer=ident.hex())
+        self._cause, self._join = ident, join
+        try:
+            return self._runner.run(event)
+        finally:
+            self._cause, self._join = None, None
+
+    def _on_update(self, action: SendUpdate) -> None:
+        upd = action.update
+        if self._join is not None and self._cause is not None:
+            # A rank's hello: the current values go to that rank alone, as a rejoin answer
+            # (the core addresses learners; this is one rank of one).
+            peer = self.peers[self._cause]
+            if peer.owns(upd.fragment):
+                self._send_update(self._cause, upd, self._update_frames(peer, upd, reset=True), reset=True)
+            return
+        frames = None  # shared by every peer that receives the whole fragment
+        for ident, peer in self.peers.items():
+            if peer.learner_id in action.to and peer.owns(upd.fragment):
+                if peer.cuts[upd.fragment] is not None:
+                    mine = self._update_frames(peer, upd, reset=action.reset)
                 else:
-                    logged = True
-                if logged:
-                    self._log_record(record)
-                if isinstance(record, Rejected):
-                    if record.learner in self.tracker.stats:
-                        self.tracker.stats[record.learner].rejected += 1
-                    reason = f"contribution rejected: {record.reason}"
-                    for rank_ident in self.members.ranks_of(record.learner):
-                        self._reply_error(rank_ident, "rejected", reason)
-                elif isinstance(record, Merged):
-                    assert isinstance(action, Merged)
-                    merged.append(action.fragment)  # the core's numbering: it is told the sync time
-                    self.tracker.merged(record)
-            elif isinstance(action, SendMomentUpdate):
-                frames = None
-                for ident, peer in self.peers.items():
-                    if peer.learner_id in action.to and peer.owns(action.update.fragment):
-                        frames = frames or wire.moments_update_frames(self._out(action.update))
-                        self._send(ident, list(frames))
-            elif isinstance(action, AdviseLearner):
-                self.metrics.failslow(action)
-                frames = wire.fail_slow_frames(action.report)
-                for ident in self.members.ranks_of(action.report.learner):  # every rank: any may act on it
-                    self._send(ident, list(frames))
-            elif isinstance(action, (FailSlowBlip, StopExpecting, MarkForEviction, RestoreLearner)):
-                self.metrics.failslow(action)  # the core applied it to membership already
-        if merged:
-            seconds = (self.clock() - t0) / len(merged)
-            self.metrics.merge_compute([seconds] * len(merged))
-            for p in merged:
-                self.core.handle(SyncTimed(p, seconds), self.clock())
-            before = self.merges // self.service.checkpoint_every
-            self.merges += len(merged)
-            if self.merges // self.service.checkpoint_every > before:
-                self.checkpoint()
-        return actions
+                    mine = frames = frames or wire.update_frames(
+                        self._out(upd), reset=action.reset, syncer=SyncerSettings.from_config(self.config))
+                self._send_update(ident, upd, mine, reset=action.reset)
+
+    def _on_moments(self, action: SendMomentUpdate) -> None:
+        frames = None
+        for ident, peer in self.peers.items():
+            if peer.learner_id in action.to and peer.owns(action.update.fragment):
+                frames = frames or wire.moments_update_frames(self._out(action.update))
+                self._send(ident, list(frames))
+
+    def _on_record(self, action: SyncerRecord) -> None:
+        record = self.shard.record(action)  # the model's fragment numbers from here on
+        self.metrics.record(record)  # before the log's rate limit: metrics count every one
+        now, cause = self.clock(), self._cause
+        if isinstance(record, Joined) and self._join is not None and cause is not None:
+            # The core knows learners, not ranks: each rank of a multi-rank learner joins,
+            # so its join says which. Per connection: a hello storm (ids are first-come
+            # without --learners) costs a bounded number of log lines, the rest counted
+            # in 'suppressed'.
+            if self._limiter.allow(("join", cause), now, peer=cause.hex()):
+                rank, world = self._join
+                line = {**record.to_record(), "rank": rank, "world": world}
+                self._say(line, record.level)
+                self._record(line)
+            return
+        if isinstance(record, Rejected):
+            logged = self._limiter.allow(("reject", record.learner), now, learner=record.learner)
+        elif isinstance(record, Left) and cause is not None:
+            logged = self._limiter.allow(("leave", cause), now, peer=cause.hex())
+        else:
+            logged = True
+        if logged:
+            self._log_record(record)
+        if isinstance(record, Rejected):
+            if record.learner in self.tracker.stats:
+                self.tracker.stats[record.learner].rejected += 1
+            reason = f"contribution rejected: {record.reason}"
+            for rank_ident in self.members.ranks_of(record.learner):
+                self._reply_error(rank_ident, "rejected", reason)
+        elif isinstance(record, Merged):
+            self.tracker.merged(record)
+
+    def _on_fail_slow(self, action: FailSlowAction) -> None:
+        self.metrics.failslow(action)  # the core applied it to membership already
+        if isinstance(action, AdviseLearner):
+            frames = wire.fail_slow_frames(action.report)
+            for ident in self.members.ranks_of(action.report.learner):  # every rank: any may act on it
+                self._send(ident, list(frames))
+
+    def _on_merged(self, fragments: list[int], seconds: float) -> None:
+        self.metrics.merge_compute([seconds] * len(fragments))
+        before = self.merges // self.service.checkpoint_every
+        self.merges += len(fragments)
+        if self.merges // self.service.checkpoint_every > before:
+            self.checkpoint()
 
     def _silent(self, lid: str) -> None:
         """Every rank of learner ``lid`` went silent (``Membership.drop_silent``)."""

@@ -59,6 +59,7 @@ from rackmend.core.syncer import (
     Tick,
 )
 from rackmend.core.records import Dropped, Merged, Rejected, SyncerRecord
+from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.sim.config import SimConfig
 
 __all__ = ["SimulationError", "Goodput", "LearnerReport", "SimReport", "Simulation", "simulate"]
@@ -286,6 +287,9 @@ class Simulation:
         self.rngs = [random.Random(config.seed * 1_000_003 + i) for i in range(n)]
         self.fail_rngs = [random.Random(f"failures/{config.seed}/{i}") for i in range(n)]
         self.syncer = SyncerCore(run, self.specs, [[t.clone()] for t in self.start])
+        # Virtual time stands still while the core merges: no merge time is fed back.
+        self._runner = SyncerRunner(self.syncer, lambda: self.now, send_update=self._send_update,
+                                    record=self._record, time_merges=False)
         self.now = 0.0
         self._ran = False
         self._heap: list[tuple[float, int, int, tuple]] = []
@@ -711,9 +715,10 @@ class Simulation:
 
     # ---------------------------------------------------------------- syncer side
     def _drive(self, event: Event) -> list[Action]:
-        """Feed ``event`` to the syncer core and carry out its actions; returns them."""
-        actions = self.syncer.handle(event, self.now)
-        self._syncer_actions(actions)
+        """Feed ``event`` to the syncer core through the runner (``_send_update`` and
+        ``_record`` carry out its actions) and plan a tick for its next deadline; returns
+        the actions."""
+        actions = self._runner.run(event)
         deadline = self.syncer.next_deadline()
         if deadline is not None and deadline not in self._ticks:
             self._ticks.add(deadline)
@@ -750,25 +755,21 @@ class Simulation:
             self._pending_cs[key] -= work
             self._by_id[c.learner_id].acct["lost"] += work
 
-    def _syncer_actions(self, actions: Sequence[Action]) -> None:
-        by_id = self._by_id
-        for a in actions:
-            if isinstance(a, SendUpdate):
-                upd = replace(a.update, reset=True) if a.reset else a.update
-                nbytes = self.specs[upd.fragment].nbytes
-                for lid in a.to:
-                    lr = by_id[lid]
-                    if not lr.alive:
-                        continue  # connected in the syncer's eyes until declared silent; nobody receives
-                    spec = self.config.racks[lr.index]
-                    lr.down_free = self._transfer(lr.down_free, nbytes, spec.downlink_bandwidth)
-                    self._push(lr.down_free + spec.downlink_latency, _DELIVER, (lr.index, lr.life, upd))
-            elif isinstance(a, SyncerRecord):
-                self._record(a, by_id)
-            # Fail-slow actions: the core applied their effect on membership already; their
-            # advice to the learner is a log line, recorded with the warnings.
+    def _send_update(self, a: SendUpdate) -> None:
+        upd = replace(a.update, reset=True) if a.reset else a.update
+        nbytes = self.specs[upd.fragment].nbytes
+        for lid in a.to:
+            lr = self._by_id[lid]
+            if not lr.alive:
+                continue  # connected in the syncer's eyes until declared silent; nobody receives
+            spec = self.config.racks[lr.index]
+            lr.down_free = self._transfer(lr.down_free, nbytes, spec.downlink_bandwidth)
+            self._push(lr.down_free + spec.downlink_latency, _DELIVER, (lr.index, lr.life, upd))
 
-    def _record(self, rec: SyncerRecord, by_id: dict[str, _Learner]) -> None:
+    def _record(self, rec: SyncerRecord) -> None:
+        # Fail-slow actions are not passed on: the core applied their effect on membership
+        # already, and their advice to the learner is a log line, kept with the warnings.
+        by_id = self._by_id
         self.syncer_records.append(rec)
         if isinstance(rec, Merged):
             p = rec.fragment
