@@ -5,6 +5,7 @@ crosses the link stays fresh enough to be merged for the whole run."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -35,11 +36,11 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
     drive = svc._drive
     arrivals: list[tuple[float, str, int]] = []  # (time, learner, versions behind when it arrived)
 
-    def watch(event: object) -> None:
+    def watch(event: object, **kw: Any) -> Any:
         if isinstance(event, ContributionArrived) and svc.core is not None:
             c = event.contribution
             arrivals.append((svc.clock(), c.learner_id, svc.core.versions[c.fragment] - c.base_version))
-        drive(event)
+        return drive(event, **kw)
 
     svc._drive = watch  # type: ignore[method-assign]
     port = int(svc.endpoint.rsplit(":", 1)[1])
