@@ -105,9 +105,7 @@ class PendingInit:
         """One ``init`` message from the seeder connection ``ident``: a fragment's value
         is in ``values`` once it is whole (a ``WireError`` for an unknown fragment, or
         other pieces than the rank declared)."""
-        p = msg.header.get("fragment")
-        if not isinstance(p, int) or not 0 <= p < len(self.layout):
-            raise wire.WireError(f"init for unknown fragment {p!r}")
+        p = wire.fragment_field(msg.header, len(self.layout), "init")
         owned = self.seeders[ident]
         if owned is None:
             tensors = wire.parse_tensors(msg, self.layout[p])

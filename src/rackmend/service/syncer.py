@@ -5,7 +5,8 @@ check or stop request, feed what arrived to the core, carry out its actions. Thi
 module is that loop (``SyncerService``): the socket and what is queued per connection
 (``_send``, ``_flush``), the dispatch of each message (``_on_message``, ``_handle``),
 the seeding of a fresh model by the first learner (``_init``), driving the core
-(``_drive``, through ``SyncerRunner``) and the log. It composes the parts that do not touch the socket:
+(``_drive``, through ``SyncerRunner``) and the log. It composes the parts that do not
+touch the socket:
 
 - ``service.config``: ``ServiceConfig`` and the message-size bounds;
 - ``service.membership``: peers, hellos, takeovers, the gate of sharded learners,
@@ -472,9 +473,7 @@ class SyncerService:
         """A learner lost a delta update: answer with the full current value (codec 0,
         not a reset, so it is applied like any merged value)."""
         assert self.core is not None
-        p = msg.header.get("fragment")
-        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(self.core.fragments):
-            raise wire.WireError(f"fetch for unknown fragment {str(p)[:20]}")
+        p = wire.fragment_field(msg.header, len(self.core.fragments), "fetch")
         if not peer.owns(p):
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.frags[p].current
