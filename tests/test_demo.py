@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from rackmend.config import ConfigError
+from rackmend.core.failslow import RestoreLearner, StopExpecting
+from rackmend.core.records import FailSlowNoted, Left, Merged, from_record
 from rackmend.demo.orchestrate import run_arm, syncer_flags
 from rackmend.demo.report import REPORT_FILES, loss_at_tokens, write_report
 from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings, arm_specs, config_from_dict, config_to_dict
@@ -109,7 +111,7 @@ def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
     assert len(rm.points) >= 3, "too few held-out evaluations"
     assert rm.wan_bytes > 0 and not local.links
     # Every learner finished with a graceful leave that reached the syncer through its link.
-    leaves = {e["learner"]: e["reason"] for e in rm.events if e.get("event") == "leave"}
+    leaves = {r.learner: r.reason for r in rm.records() if isinstance(r, Left)}
     assert leaves == {"learner0": "leave", "learner1": "leave"}
     # The fail-slow learner really was slower inside its window.
     slow = [r["compute"] for r in rm.steps["learner1"] if r["slow"]]
@@ -119,23 +121,23 @@ def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
     steps_lines = (out / "steps.jsonl").read_text().splitlines()
     assert len(steps_lines) == sum(ls.steps for r in runs for ls in r.learners)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    assert any(e["arm"] == "rackmend" and e["event"] == "merge" for e in events)
+    assert any(e["arm"] == "rackmend" and isinstance(from_record(e), Merged) for e in events)
     assert any(e["event"] == "fault_slow" for e in events)
 
     # Fail-slow detection in the syncer's log: learner1 flagged (with its rank) inside its
     # window, so rounds stopped waiting for it, and restored once its steps were back.
     lo, hi = 0.4 * s.duration_s, 0.7 * s.duration_s
-    syncer_log = [e for e in rm.events if e.get("event", "").startswith("failslow_")]
-    flags = [e for e in syncer_log if e["event"] == "failslow_slow" and e["learner"] == "learner1"
-             and lo <= e["t"] <= hi]
+    syncer_log = [r for r in rm.records() if isinstance(r, FailSlowNoted)]
+    flags = [r for r in syncer_log if isinstance(r.action, StopExpecting) and r.action.report.learner == "learner1"
+             and lo <= r.t <= hi]
     assert flags, syncer_log
     flag = flags[0]
-    assert flag["rank"] == 0 and flag["ratio"] > 2 and "rounds stop waiting" in flag["reason"], flag
-    restores = [e for e in syncer_log if e["event"] == "failslow_restore" and e["learner"] == "learner1"
-                and e["t"] > flag["t"]]
+    assert flag.action.report.rank == 0 and flag.action.report.ratio > 2 and "rounds stop waiting" in flag.reason, flag
+    restores = [r for r in syncer_log if isinstance(r.action, RestoreLearner) and r.action.report.learner == "learner1"
+                and r.t > flag.t]
     assert restores, syncer_log
-    assert max(e["t"] for e in restores) >= hi, syncer_log  # restored after the window, not only inside it
+    assert max(r.t for r in restores) >= hi, syncer_log  # restored after the window, not only inside it
     # While flagged it was not expected: no merge counted it as an absent, awaited learner.
-    while_flagged = [m for m in rm.merges() if flag["t"] < m["t"] < restores[0]["t"]]
-    assert while_flagged and all("learner1" not in m["absent"] for m in while_flagged)
+    while_flagged = [m for m in rm.merges() if flag.t < m.t < restores[0].t]
+    assert while_flagged and all("learner1" not in m.absent for m in while_flagged)
     assert "fail-slow detection: the syncer flagged learner1 (rank 0)" in report, report

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Literal, Mapping, get_args
+import functools
+import types
+from collections import abc
+from typing import Any, ClassVar, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 from rackmend.core.failslow import (
     AdviseLearner,
     FailSlowAction,
     FailSlowBlip,
+    FailSlowReport,
     MarkForEviction,
     RestoreLearner,
     StopExpecting,
@@ -53,6 +57,7 @@ __all__ = [
     "REJECT_CODES",
     "FAILSLOW_EVENTS",
     "WARNING_EVENTS",
+    "from_record",
 ]
 
 RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
@@ -472,3 +477,57 @@ WARNING_EVENTS = frozenset({cls.event for cls in (TokenUnits, MergeHarmful, Guar
                            | {FAILSLOW_EVENTS[StopExpecting], FAILSLOW_EVENTS[MarkForEviction]})
 """Event names of the core's records at ``WARNING`` level (for readers of the log file;
 a driver uses ``record.level``)."""
+
+
+# ------------------------------------------------------------------ reading a log back
+def _typed(value: Any, hint: Any) -> Any:
+    """A JSON value as the field of type ``hint`` holds it: arrays as tuples (also
+    inside mappings), everything else as it is."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return None if value is None else _typed(value, next(a for a in args if a is not type(None)))
+    if origin is tuple and isinstance(value, list):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_typed(v, args[0]) for v in value)
+        return tuple(_typed(v, a) for v, a in zip(value, args))
+    if origin is abc.Mapping and isinstance(value, dict):
+        return {k: _typed(v, args[1]) for k, v in value.items()}
+    return value
+
+
+def _record_classes() -> dict[str, type[SyncerRecord]]:
+    found: dict[str, type[SyncerRecord]] = {}
+    todo = list(SyncerRecord.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        event = cls.__dict__.get("event")
+        if isinstance(event, str):
+            found[event] = cls
+    return found
+
+
+_BY_EVENT = _record_classes()
+_hints = functools.cache(get_type_hints)  # evaluating the string annotations costs more than a line
+_RUNGS = {event: cls for cls, event in FAILSLOW_EVENTS.items()}
+
+
+def from_record(line: Mapping[str, Any]) -> SyncerRecord | None:
+    """The typed record a JSONL log line of the syncer core came from (``to_record()``
+    read back: ``from_record(json.loads(json.dumps(r.to_record()))) == r``); None for a
+    line the core does not write (the service's own events: ``checkpoint``,
+    ``bad_message``, ...). Keys a driver added to a core record (a ``join``'s ``rank``)
+    are left out. ValueError, naming the event, for a core event with missing fields."""
+    event = line.get("event")
+    rung = _RUNGS.get(event) if isinstance(event, str) else None
+    try:
+        if rung is not None:
+            report = FailSlowReport(**{f.name: line[f.name] for f in fields(FailSlowReport) if f.name in line})
+            return FailSlowNoted(t=line["t"], action=rung(report), reason=line["reason"])  # type: ignore[arg-type]
+        cls = _BY_EVENT.get(event) if isinstance(event, str) else None
+        if cls is None:
+            return None
+        hints = _hints(cls)
+        return cls(**{f.name: _typed(line[f.name], hints[f.name]) for f in fields(cls) if f.name in line})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"a {event!r} log line that is not a record of this version: {exc}") from None

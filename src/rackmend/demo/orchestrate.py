@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from rackmend.core.fragments import layout_from_wire
+from rackmend.core.records import Merged, SyncerRecord, from_record
 from rackmend.core.syncer_fragment import named_global_values
 from rackmend.demo.spec import ArmSpec, RunSettings, config_to_dict
 from rackmend.demo.worker import GO_FILE, metrics_path
@@ -101,8 +102,12 @@ class ArmRun:
         """Learners without an injected fault (all of them when none is healthy)."""
         return [ls for ls in self.learners if not ls.fault] or self.learners
 
-    def merges(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == "merge"]
+    def records(self) -> list[SyncerRecord]:
+        """The syncer core's records among ``events``, typed (``records.from_record``)."""
+        return [r for r in map(from_record, self.events) if r is not None]
+
+    def merges(self) -> list[Merged]:
+        return [r for r in self.records() if isinstance(r, Merged)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -361,14 +366,13 @@ def _drive(arm: _Arm, t0: float, stop_at: float | None, progress: Progress | Non
 
 def _status(arm: _Arm, t0: float) -> dict[str, Any]:
     losses = [recs[-1]["loss"] for recs in arm.records.values() if recs]
-    merges = [e for e in arm.syncer_events[-50:] if e.get("event") == "merge"]
-    last = merges[-1] if merges else None
+    last = next((r for r in map(from_record, reversed(arm.syncer_events[-50:])) if isinstance(r, Merged)), None)
     status: dict[str, Any] = {
         "steps": sum(len(r) for r in arm.records.values()),
         "loss": sum(losses) / len(losses) if losses else float("nan"),
     }
     if last is not None:
-        status["merged"] = ",".join(m.removeprefix("learner") for m in last["merged"])
+        status["merged"] = ",".join(m.removeprefix("learner") for m in last.merged)
     return status
 
 

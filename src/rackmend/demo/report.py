@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from rackmend.core.failslow import RestoreLearner, StopExpecting
+from rackmend.core.records import FailSlowNoted
 from rackmend.demo.orchestrate import ArmRun
 from rackmend.demo.spec import RunSettings
 
@@ -139,15 +141,18 @@ def failslow_spans(run: ArmRun) -> list[dict[str, Any]]:
     ``fleet_ratio`` at the flag, ``restore_ratio``."""
     spans: list[dict[str, Any]] = []
     open_: dict[str, dict[str, Any]] = {}
-    for e in run.events:
-        if e.get("event") == "failslow_slow" and e["learner"] not in open_:
-            open_[e["learner"]] = span = {"learner": e["learner"], "rank": e["rank"], "t": e["t"], "until": None,
-                                          "ratio": e["ratio"], "fleet_ratio": e["fleet_ratio"],
-                                          "baseline_s": e["baseline_s"], "restore_ratio": None}
+    for rec in run.records():
+        if not isinstance(rec, FailSlowNoted):
+            continue
+        r = rec.action.report
+        if isinstance(rec.action, StopExpecting) and r.learner not in open_:
+            open_[r.learner] = span = {"learner": r.learner, "rank": r.rank, "t": rec.t, "until": None,
+                                       "ratio": r.ratio, "fleet_ratio": r.fleet_ratio,
+                                       "baseline_s": r.baseline_s, "restore_ratio": None}
             spans.append(span)
-        elif e.get("event") == "failslow_restore" and e["learner"] in open_:
-            span = open_.pop(e["learner"])
-            span["until"], span["restore_ratio"] = e["t"], e["ratio"]
+        elif isinstance(rec.action, RestoreLearner) and r.learner in open_:
+            span = open_.pop(r.learner)
+            span["until"], span["restore_ratio"] = rec.t, r.ratio
     return spans
 
 
@@ -236,13 +241,12 @@ def _plot_timeline(runs: Sequence[ArmRun], path: Path) -> None:
         row = {lid: k for k, lid in enumerate(ids)}
         marks: dict[str, tuple[list[float], list[int]]] = {"merged": ([], []), "late": ([], []), "absent": ([], [])}
         for m in r.merges():
-            stale = set(m.get("stale", []))
-            for lid in m["merged"]:
-                kind = "late" if lid in stale else "merged"
-                marks[kind][0].append(m["t"])
+            for lid in m.merged:
+                kind = "late" if lid in m.stale else "merged"
+                marks[kind][0].append(m.t)
                 marks[kind][1].append(row.get(lid, 0))
-            for lid in m.get("absent", []):
-                marks["absent"][0].append(m["t"])
+            for lid in m.absent:
+                marks["absent"][0].append(m.t)
                 marks["absent"][1].append(row.get(lid, 0))
         style = {"merged": ("o", "tab:green"), "late": ("s", "tab:orange"), "absent": ("x", "tab:red")}
         for kind, (xs, ys) in marks.items():
@@ -277,13 +281,13 @@ def _fault_notes(r: ArmRun) -> list[str]:
     restart = next((e for e in r.events if e.get("event") == "fault_restart"), None)
     if kill is not None:
         who = kill["learner"]
-        back = next((m for m in merges if restart and m["t"] > restart["t"] and who in m["merged"]), None)
-        during = [m for m in merges if kill["t"] <= m["t"] <= (restart["t"] if restart else r.wall_s)]
+        back = next((m for m in merges if restart and m.t > restart["t"] and who in m.merged), None)
+        during = [m for m in merges if kill["t"] <= m.t <= (restart["t"] if restart else r.wall_s)]
         text = f"{who} SIGKILLed at {kill['t']:.0f} s"
         if restart:
             text += f", restarted at {restart['t']:.0f} s"
         text += f"; {len(during)} merge{'' if len(during) == 1 else 's'} went on without it meanwhile"
-        text += f"; merged again at {back['t']:.0f} s." if back else "; it did not merge again before the end."
+        text += f"; merged again at {back.t:.0f} s." if back else "; it did not merge again before the end."
         notes.append(text)
     for e in r.events:
         if e.get("event") == "stuck_killed":
@@ -291,8 +295,8 @@ def _fault_notes(r: ArmRun) -> list[str]:
         if e.get("event") != "fault_slow":
             continue
         who, lo, hi = e["learner"], e["t"], e["until"]
-        window = [m for m in merges if lo <= m["t"] <= hi]
-        without = sum(1 for m in window if who not in m["merged"] or who in m.get("stale", []))
+        window = [m for m in merges if lo <= m.t <= hi]
+        without = sum(1 for m in window if who not in m.merged or who in m.stale)
         others = [ls for ls in r.learners if ls.learner != who and not ls.fault]
         rate_in = _steps_in(r, others, lo, hi) / max(hi - lo, 1e-9)
         rate_out = _steps_in(r, others, 0.0, lo) / max(lo, 1e-9)
@@ -324,8 +328,8 @@ def failslow_notes(r: ArmRun) -> list[str]:
             continue
         used.append(span)
         end = span["until"] if span["until"] is not None else r.wall_s
-        flagged = [m for m in merges if span["t"] <= m["t"] <= end]
-        without = sum(1 for m in flagged if who not in m["merged"])
+        flagged = [m for m in merges if span["t"] <= m.t <= end]
+        without = sum(1 for m in flagged if who not in m.merged)
         text = (f"fail-slow detection: the syncer flagged {who} (rank {span['rank']}) {span['t'] - lo:.1f} s into "
                 f"its slow window at {span['ratio']:.1f}× its baseline of {span['baseline_s'] * 1e3:.0f} ms per "
                 f"step ({span['fleet_ratio']:.1f}× relative to the fleet); rounds stopped waiting for it: "
