@@ -6,22 +6,26 @@ side with a plain copy of the same bytes at the same thread count (the yardstick
 machine's memory gives), GB/s of fragment bytes coming in (M x the float32 size):
 
 - ``copy``: the learners' fragments copied once (``torch._foreach_copy_``);
-- ``fp32 merge+outer``: ``merge_deltas`` over the service's worker pool + the Nesterov
-  outer step (what a round costs beyond receiving);
+- ``fp32 merge+outer``: ``merge_deltas`` + the Nesterov outer step (what a round costs
+  beyond receiving);
 - ``fp32 round``: the whole round through ``SyncerCore`` as the service runs it (finiteness,
   the norm guard's norms, merge, step, the rollback copy, history, the snapshot sent);
 - ``int8``/``int4 decode+merge``: the learners' encoded messages parsed and decoded as the
-  service receives them (``wire.parse_contribution`` with the pool), then merge + step;
+  service receives them (``wire.parse_contribution``), then merge + step;
 - ``int8``/``int4 round``: decode, then the whole round through ``SyncerCore``;
 - ``int4 decode next || merge`` (2 threads): the next round's messages decoded on another
-  thread (over the pool) while this thread merges and steps the round decoded before:
+  thread while this thread merges and steps the round decoded before:
   whether receiving the next contributions can overlap merging; GB/s of one round over
   the wall time of both;
 - ``2 shards``: two shard processes side by side (one thread each, half the bytes each),
   started together; GB/s over both, against the 2-thread copy.
 
-Threads are what ``rackmend syncer --threads N`` sets: torch's intra-op threads and a pool
-of N workers for the merge's sums, the norms and decoding. Targets (issue 23): fp32
+Threads are what ``rackmend syncer --threads N`` sets: torch's intra-op threads, which
+split every operation of the round (the service keeps no worker pool: ``docs/capacity.md``
+says why). With 2 threads the table also has ``pool`` rows: the same fp32 and int4 paths
+with the merge's sums and the decode's chunks spread over a pool of 2 worker threads of
+one torch thread each (``pool=`` of ``merge_deltas`` and ``wire.parse_contribution``),
+the alternative that was measured and not taken. Targets (issue 23): fp32
 merge+outer >= 0.6x copy with 2 threads, int4 decode+merge >= 0.3x copy. The table and
 ``docs/capacity.md`` say what they came out as. Last, a sizing table (``plan``): the shards
 and syncer memory 7B and 70B models need at M=8, H=100, from the whole-round rates
@@ -54,7 +58,7 @@ STEPS = 24
 class Round:
     """M learners' contributions to one fragment, and a core and outer optimizer to take them."""
 
-    def __init__(self, learners: int, fragment_mb: float, pool: ThreadPoolExecutor | None, seed: int = 0) -> None:
+    def __init__(self, learners: int, fragment_mb: float, seed: int = 0) -> None:
         numel = int(fragment_mb * 2**20 / 4 / N_TENSORS)
         self.ids = tuple(f"l{i}" for i in range(learners))
         self.spec = FragmentSpec(0, 0, tuple(TensorSpec(f"t{i}", (numel,), torch.float32) for i in range(N_TENSORS)))
@@ -63,12 +67,13 @@ class Round:
         self.deltas = [[torch.randn(numel, generator=g) * 1e-3 for _ in range(N_TENSORS)] for _ in self.ids]
         self.copies = [[torch.empty_like(t) for t in d] for d in self.deltas]
         self.weights = [contribution_weight("tokens_sq_per_step", 1000.0 + 10 * i, STEPS) for i in range(learners)]
-        self.pool = pool
+        self.pool: ThreadPoolExecutor | None = None
+        """Workers for the merge's sums and the decode (the ``pool`` rows); None: torch's threads."""
         config = RackmendConfig(schedule=ScheduleConfig(sync_every=STEPS, num_fragments=1),
                                 syncer=SyncerConfig(min_quorum=learners, learners=self.ids))
         self.theta = [torch.zeros(numel) for _ in range(N_TENSORS)]
         self.opt = config.syncer.build_outer_optimizer(self.theta)
-        self.core = SyncerCore(config, [self.spec], [[torch.zeros(numel) for _ in range(N_TENSORS)]], pool=pool)
+        self.core = SyncerCore(config, [self.spec], [[torch.zeros(numel) for _ in range(N_TENSORS)]])
         for lid in self.ids:
             self.core.handle(LearnerJoined(lid), 0.0)
         self.frames: dict[str, list[list[Any]]] = {}
@@ -127,12 +132,23 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def one_torch_thread_pool(threads: int) -> ThreadPoolExecutor:
+    """``threads`` workers that each compute on one torch thread (with torch's count per
+    worker, N workers would run N x N threads on N cores). A thread's first use of torch
+    sets its count from the process's, so each worker asks for it before lowering it."""
+    def init() -> None:
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    return ThreadPoolExecutor(threads, initializer=init)
+
+
 def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> dict[str, list[float]]:
     """Seconds per repeat of each path, side by side, at ``threads`` threads."""
     torch.set_num_threads(threads)
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    pool = one_torch_thread_pool(threads) if threads > 1 else None
     try:
-        rnd = Round(learners, fragment_mb, pool)
+        rnd = Round(learners, fragment_mb)
         for codec in ("int8", "int4"):
             rnd.encode(codec)
         secs: dict[str, list[float]] = {}
@@ -149,6 +165,11 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
                 previous = rnd.decode("int4")
                 row["int4 decode next || merge"] = _timed(lambda: rnd.decode_overlapping("int4", previous))
                 del previous
+                rnd.pool = pool
+                row["fp32 merge+outer, pool"] = _timed(rnd.merge_outer)
+                row["int4 decode+merge, pool"] = _timed(lambda: rnd.merge_outer(rnd.decode("int4")))
+                rnd.pool = None
+                torch.set_num_threads(threads)  # the workers' set_num_threads(1) lowered the process's
             if r:
                 for k, v in row.items():
                     secs.setdefault(k, []).append(v)
@@ -162,7 +183,7 @@ def _shard(seed: int, learners: int, fragment_mb: float, repeats: int, go: Any, 
     """One shard process: ``repeats`` whole rounds on its half of the bytes, each started
     when the parent says so (both shards together)."""
     torch.set_num_threads(1)
-    rnd = Round(learners, fragment_mb, None, seed)
+    rnd = Round(learners, fragment_mb, seed)
     rnd.core_round()  # warm-up
     for _ in range(repeats):
         go.wait(timeout=600)
@@ -261,6 +282,8 @@ def main() -> None:
             "int4_decode_merge_2t_x_copy": pick("int4 decode+merge (2t)"),
             "int8_decode_merge_2t_x_copy": pick("int8 decode+merge (2t)"),
             "int4_decode_next_while_merging_2t_x_copy": pick("int4 decode next || merge (2t)"),
+            "fp32_merge_2t_pool_x_copy": pick("fp32 merge+outer, pool (2t)"),
+            "int4_decode_merge_2t_pool_x_copy": pick("int4 decode+merge, pool (2t)"),
             "fp32_round_2t_x_copy": pick("fp32 round (2t)"), "int4_round_2t_x_copy": pick("int4 round (2t)"),
             "two_shards_x_copy": pick("2 shards, 1t each"),
             "fp32_round_2t_gbps": rows["fp32 round (2t)"]["gbps"]["median"],

@@ -123,3 +123,45 @@ def test_a_worker_pool_gives_the_same_bits(method: str) -> None:
         with ThreadPoolExecutor(workers) as pool:
             pooled = merge_deltas(deltas, weights, method, absent=0.4, pool=pool)
         assert all(torch.equal(a, b) for a, b in zip(alone, pooled)), workers
+
+
+def test_run_jobs_runs_each_job_once_in_one_batch_per_worker() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rackmend.core.merge import run_jobs
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for n_jobs in (1, 2, 7, 9):
+            ran: list[tuple[int, str]] = []
+            lock = threading.Lock()
+
+            def job(i: int) -> None:
+                with lock:
+                    ran.append((i, threading.current_thread().name))
+
+            with ThreadPoolExecutor(3, thread_name_prefix="w") as pool:
+                run_jobs([lambda i=i: job(i) for i in range(n_jobs)], pool)
+            assert sorted(i for i, _ in ran) == list(range(n_jobs))
+            by_thread: dict[str, list[int]] = {}
+            for i, name in ran:
+                by_thread.setdefault(name, []).append(i)
+            # One batch per worker: each thread ran one contiguous run of jobs, in order.
+            assert len(by_thread) <= min(3, n_jobs)
+            for runs in by_thread.values():
+                assert runs == list(range(runs[0], runs[0] + len(runs)))
+            if n_jobs == 1:
+                assert [name for _, name in ran] == [threading.current_thread().name]
+        ran.clear()
+        run_jobs([lambda i=i: ran.append((i, "")) for i in range(4)], None)
+        assert [i for i, _ in ran] == [0, 1, 2, 3]
+
+        def boom() -> None:
+            raise ValueError("bad chunk")
+
+        with ThreadPoolExecutor(3) as pool, pytest.raises(ValueError, match="bad chunk"):
+            run_jobs([lambda: None, boom, lambda: None], pool)
+    finally:
+        torch.set_num_threads(before)

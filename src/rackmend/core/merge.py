@@ -27,7 +27,7 @@ from rackmend.buffers import empty_float32, scratch
 from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
 __all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "parallel_ranges",
-           "ACC_DTYPE"]
+           "run_jobs", "ACC_DTYPE"]
 
 ACC_DTYPE = torch.float64
 """Accumulation dtype of every merge sum."""
@@ -98,9 +98,9 @@ tensors; 256k rather than 64k elements makes 4x fewer Python calls per merge
 def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,
                   pool: Executor | None = None) -> torch.Tensor:
     """sum_m w_m t_m, accumulated in ACC_DTYPE chunk by chunk, returned in ``dtype``;
-    with ``pool``, each worker sums its own contiguous run of chunks (an accumulator in
-    each core's L2: the work scales with the cores, where torch's own threads would split
-    every 64k-element add and wait for each)."""
+    with ``pool``, each worker sums its own contiguous run of chunks, an accumulator in its
+    core's cache (meant for many-core hosts, where torch's own threads would split every
+    chunk's add over all the cores; on 2 cores no faster than those, docs/capacity.md)."""
     flat = [t.reshape(-1) for t in tensors]
     n, dev = tensors[0].numel(), tensors[0].device
     # A float32 result lives for one outer step: the memory of an earlier one, where idle.
@@ -121,11 +121,35 @@ def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dty
     return out
 
 
+def _workers(pool: Executor | None) -> int:
+    """How many of ``pool``'s workers to share work among: one per thread torch computes
+    with (a driver with a pool sizes it and torch's threads alike)."""
+    return torch.get_num_threads() if pool is not None else 1
+
+
+def run_jobs(jobs: Sequence[Callable[[], None]], pool: Executor | None) -> None:
+    """Every job, in order on this thread, or over ``pool`` as one contiguous batch per
+    worker: a job per submit costs a worker's wake-up and a future each, which for a round
+    of 1M-element decode jobs made decoding over 2 workers slower than on one thread."""
+    workers = min(_workers(pool), len(jobs))
+    if workers <= 1:
+        for job in jobs:
+            job()
+        return
+    per = -(-len(jobs) // workers)
+
+    def batch(part: Sequence[Callable[[], None]]) -> None:
+        for job in part:
+            job()
+
+    for f in [pool.submit(batch, jobs[i:i + per]) for i in range(0, len(jobs), per)]:  # type: ignore[union-attr]
+        f.result()
+
+
 def parallel_ranges(fn: Callable[[int, int], None], n: int, pool: Executor | None) -> None:
-    """``fn(lo, hi)`` over [0, n) split into runs of whole ``_CHUNK``s, one per thread torch
-    computes with (the syncer sizes its pool and torch's threads alike, ``--threads``); all
-    of [0, n) at once without a pool or for small n."""
-    workers = torch.get_num_threads() if pool is not None else 1
+    """``fn(lo, hi)`` over [0, n) split into runs of whole ``_CHUNK``s, one per worker
+    (``_workers``); all of [0, n) at once without a pool or for small n."""
+    workers = _workers(pool)
     chunks = -(-n // _CHUNK)
     if workers <= 1 or chunks < 2:
         fn(0, n)

@@ -123,10 +123,10 @@ class ServiceConfig:
     ``log_path`` file either way."""
 
     threads: int = 0
-    """Threads the syncer computes with: the merge's sums and the contributions' norms
-    spread over a pool of this many workers, and torch's own operations (the outer step,
-    codec decoding, finiteness checks) use as many. 0: as many as torch uses by default
-    (the machine's physical cores). ``docs/capacity.md`` shows what each thread buys."""
+    """Threads the syncer computes with: torch's intra-op threads, which split the merge's
+    sums, the norms, the outer step and codec decoding. 0: as many as torch uses by
+    default (the machine's physical cores). ``docs/capacity.md`` shows what each thread
+    buys."""
 
     shard: str = "0/1"
     """This syncer's part of the model, ``s/S``: shard ``s`` of ``S`` owns the fragments

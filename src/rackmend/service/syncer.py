@@ -33,7 +33,6 @@ import secrets
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,8 +118,9 @@ class SyncerService:
         if service.threads:
             torch.set_num_threads(service.threads)
         self.threads = torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="rackmend-merge") if self.threads > 1 else None
-        """The core's workers (``SyncerCore.pool``); shut down with the service."""
+        """What the merge, the outer step and decoding compute with: torch's own threads
+        splitting each operation, no worker pool of ours (``docs/capacity.md``: over a
+        pool, decoding was slower and the merge no faster)."""
         self._layout: list[FragmentSpec] | None = None
         """The model's whole layout (every fragment, in the model's numbering): what hellos
         are checked against. The core holds this shard's fragments only, renumbered from 0
@@ -375,7 +375,7 @@ class SyncerService:
             self._moments(ident, peer, msg)
             return
         assert msg.type == "contrib" and self.core is not None
-        contribution = wire.parse_contribution(msg, self.core.fragments, self._pool)
+        contribution = wire.parse_contribution(msg, self.core.fragments)
         self._send(ident, wire.ack_frames(self.shard.to_global(contribution.fragment)), droppable=True)  # received, whatever the core decides
         if contribution.pieces is not None:
             whole = self.assembly.add(ident, peer, contribution, self.core.fragments,
@@ -516,7 +516,7 @@ class SyncerService:
             learner = LearnerConfig(apply=settings.apply)
         config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
                                 deterministic=run.deterministic, learner=learner)
-        self.core = SyncerCore(config, layout, values, epoch=self.epoch, pool=self._pool)
+        self.core = SyncerCore(config, layout, values, epoch=self.epoch)
         self._runner = SyncerRunner(self.core, self.clock, send_update=self._on_update, record=self._on_record,
                                     send_moments=self._on_moments, fail_slow=self._on_fail_slow,
                                     merged=self._on_merged)
@@ -782,8 +782,6 @@ class SyncerService:
                         queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
             self.metrics.close()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
             if self._auth is not None:
                 self._auth.stop()
             with self._log_lock:

@@ -27,6 +27,7 @@ from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import (FragmentSpec, TensorSpec, dtype_name, fingerprint, fragment_problem,
                                      layout_from_wire, layout_to_wire)
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
+from rackmend.core.merge import run_jobs
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
 from rackmend.core.settings import LearnerSettings, SyncerSettings
@@ -573,12 +574,7 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
             decoded.append(parts[0])
             jobs.extend(parts[1])
     # Parts of a tensor, not whole tensors, go to the workers: uneven tensors share out evenly.
-    if pool is not None and len(jobs) > 1:
-        for f in [pool.submit(job) for job in jobs]:
-            f.result()
-    else:
-        for job in jobs:
-            job()
+    run_jobs(jobs, pool)
     return cast("tuple[torch.Tensor, ...]", tuple(decoded)), tuple(encoded)  # every job has filled its slot
 
 
