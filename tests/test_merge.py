@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from rackmend.config import ConfigError
 from rackmend.core import contribution_weight, merge_deltas, normalized_weights
+from rackmend.core.merge import run_jobs
 
 
 def test_weight_formulas_by_hand() -> None:
@@ -108,10 +111,8 @@ def test_batchnorm_variance_merges_as_pooled_variance() -> None:
 
 @pytest.mark.parametrize("method", ["mean", "rda"])
 def test_a_worker_pool_gives_the_same_bits(method: str) -> None:
-    """The syncer's threads (ServiceConfig.threads) split the sums into runs of chunks;
-    every element is still summed in the same order: the same bits, any worker count."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """A driver's worker pool splits the sums into runs of chunks; every element is
+    still summed in the same order: the same bits, any worker count."""
     from rackmend.core.merge import _CHUNK
 
     g = torch.Generator().manual_seed(3)
@@ -126,11 +127,6 @@ def test_a_worker_pool_gives_the_same_bits(method: str) -> None:
 
 
 def test_run_jobs_runs_each_job_once_in_one_batch_per_worker() -> None:
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from rackmend.core.merge import run_jobs
-
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:

@@ -18,11 +18,11 @@ depending on who holds it; the driver that renumbers says which.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field, fields
 import functools
+import logging
 import types
 from collections import abc
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 from rackmend.core.failslow import (
