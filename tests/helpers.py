@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
+from rackmend.core.records import SyncerRecord
 from rackmend.service import ServiceConfig, SyncerService
+from rackmend.service.events import read_event
 
 VOCAB = 17
 
@@ -132,13 +134,21 @@ def run_inprocess(
     return models, hub
 
 
-def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[dict], threading.Thread]:
-    """A syncer service on 127.0.0.1 (any free port) serving on a daemon thread, and the
-    list its events are also appended to. Stop it with ``svc.stop(); thread.join(20)``."""
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service))  # type: ignore[arg-type]
-    records: list[dict] = []
+def watch_log(svc: SyncerService) -> list[SyncerRecord]:
+    """The list every line ``svc`` logs from now on is also appended to, read back typed
+    (``read_event``: so each line is also checked to be a record of this version)."""
+    records: list[SyncerRecord] = []
     record = svc._record
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    svc._record = lambda r: (records.append(read_event(r)), record(r))  # type: ignore[method-assign]
+    return records
+
+
+def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[SyncerRecord], threading.Thread]:
+    """A syncer service on 127.0.0.1 (any free port) serving on a daemon thread, and the
+    list its log records are also appended to, typed (``watch_log``). Stop it with
+    ``svc.stop(); thread.join(20)``."""
+    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service))  # type: ignore[arg-type]
+    records = watch_log(svc)
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
     return svc, records, thread

@@ -4,14 +4,16 @@ fixture in conftest.py), and the bounded waits around them."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
+
+from rackmend.core.records import SyncerRecord
+from rackmend.service.events import read_log
 
 HERE = Path(__file__).parent
 LEARNER = [sys.executable, str(HERE / "_learner_proc.py")]
@@ -94,13 +96,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def events(tmp: Path) -> list[dict]:
-    """The syncer's log records so far; a last line still being written is left for the next read."""
-    path = tmp / "events.jsonl"
-    if not path.exists():
-        return []
-    complete = path.read_text().rpartition("\n")[0]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+def of(records: Iterable[SyncerRecord], *kinds: type[SyncerRecord]) -> list:
+    """The records among ``records`` that are of one of ``kinds`` (all of them without kinds)."""
+    return [r for r in records if isinstance(r, kinds or SyncerRecord)]
+
+
+def events(tmp: Path, *kinds: type[SyncerRecord]) -> list:
+    """The syncer's log records so far (``tmp/events.jsonl``), typed, of ``kinds`` if given;
+    a last line still being written is left for the next read."""
+    return of(read_log(tmp / "events.jsonl"), *kinds)
 
 
 def progress(path: Path) -> tuple[int, list[int]]:

@@ -19,7 +19,7 @@ from rackmend.config import ConfigError
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import fragment_offsets
 from rackmend.core.messages import Update
-from rackmend.core.records import MomentsMerged
+from rackmend.core.records import Merged, MomentsMerged
 from rackmend.core.settings import SyncerSettings
 from rackmend.learner import RackmendOptimizer
 from rackmend.service.cli import add_syncer_arguments, build, resolve
@@ -47,9 +47,9 @@ def test_the_sdks_quickstart_in_two_processes_equals_the_reference(procs: Procs,
     torch.set_num_threads(1)
     ref_models, _ = reference_run(make_model, make_inner, batch, config.to_rackmend(tuple(ids)), ids, steps)
     assert_files_equal_reference(tmp_path, ids, ref_models)
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
-    assert all(e["weights"]["l0"] != e["weights"]["l1"] for e in merges), "token weights were not used"
+    merges = events(tmp_path, Merged)
+    assert len(merges) >= P * 3 and all(list(e.merged) == ids for e in merges)
+    assert all(e.weights["l0"] != e.weights["l1"] for e in merges), "token weights were not used"
 
     # What outer_step_collect returned: every merged value applied at t_send + tau, in
     # the step after it (collect runs before step_end), labelled with the send's round.

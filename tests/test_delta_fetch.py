@@ -17,9 +17,11 @@ import torch
 
 from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.service import ServiceConfig, SyncerService
+from rackmend.service.events import Fetched
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import make_inner, make_model, train
+from helpers import make_inner, make_model, train, watch_log
+from procs import of
 
 CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
                         syncer=SyncerConfig(min_quorum=1, grace_max=0.05, learners=("l0", "l1")),
@@ -39,9 +41,7 @@ def _wait(cond, timeout: float, what: str) -> None:
 @pytest.mark.usefixtures("one_thread")
 def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> None:
     svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
-    records: list[dict] = []
-    record, send = svc._record, svc._send_update
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    records, send = watch_log(svc), svc._send_update
     dropped: list[dict] = []
 
     def lossy_send(ident: bytes, upd, frames: list, reset: bool = False) -> None:
@@ -93,8 +93,8 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
                 for a, b in zip(held, core.frags[p].theta):
                     assert torch.equal(a, b), f"{lid}'s link holds fragment {p} unlike the syncer"
         assert links["l0"].fetches_sent >= 1 and links["l1"].fetches_sent == 0
-        fetches = [r for r in records if r["event"] == "fetch"]
-        assert fetches and all(r["learner"] == "l0" and r["fragment"] == 0 for r in fetches)
+        fetches = of(records, Fetched)
+        assert fetches and all(r.learner == "l0" and r.fragment == 0 for r in fetches)
         assert core.versions[0] > dropped[0]["version"], "no merge came after the dropped one"
         # l0 applied merged values after the fetch: the training thread saw full values again.
         assert opts["l0"].versions[0] > dropped[0]["version"]

@@ -22,6 +22,7 @@ from rackmend.core.settings import LearnerSettings, peer_mismatch, syncer_mismat
 from rackmend.core.records import Dropped, Guarded, MomentsMerged, Rejected, SyncerRecord
 from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate, SyncerCore
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.events import BadMessage
 from rackmend.transport import wire
 from rackmend.transport.base import LearnerLink
 
@@ -352,15 +353,15 @@ def test_syncer_and_learner_processes_equal_the_reference(procs: Procs, tmp_path
     ref_moments: dict[tuple[int, str], list[torch.Tensor]] = {}
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps, ref_moments)
     assert_files_equal_reference(tmp_path, ids, ref_models)
-    rounds = [e for e in events(tmp_path) if e["event"] == "moments"]
-    assert {(e["fragment"], e["kind"]) for e in rounds} == set(ref_moments) and len(ref_moments) == 2 * P
+    rounds = events(tmp_path, MomentsMerged)
+    assert {(e.fragment, e.kind) for e in rounds} == set(ref_moments) and len(ref_moments) == 2 * P
     loaded = load_checkpoint(str(ck))
     assert loaded is not None
     tensors, meta = loaded
     for (p, kind), values in ref_moments.items():
         for i, value in enumerate(values):
             assert torch.equal(tensors[f"moments/{p}/{kind}/{i}"], value), f"checkpointed {kind} of fragment {p}"
-    assert not [e for e in events(tmp_path) if e["event"] in ("bad_message", "reject")]
+    assert not events(tmp_path, BadMessage, Rejected)
 
 
 

@@ -25,6 +25,7 @@ from rackmend import (
     export_model,
 )
 from rackmend.core.fragments import pack_fragments
+from rackmend.core.records import Merged
 from rackmend.transport.zmq_link import ZmqLink
 
 from _export_model import make_tied_model, tied_batch
@@ -74,8 +75,8 @@ def test_export_of_a_real_training_loads_strictly_and_computes_the_syncers_theta
     x, y, _ = batch("l0", 99)
     assert torch.equal(fresh(x, y), reference(x, y))
 
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    last = [max(e["version"] for e in merges if e["fragment"] == p) for p in range(P)]
+    merges = events(tmp_path, Merged)
+    last = [max(e.version for e in merges if e.fragment == p) for p in range(P)]
     with safe_open(str(out), framework="pt") as f:
         import json
         provenance = json.loads(f.metadata()["rackmend"])

@@ -41,6 +41,7 @@ from rackmend.core import (  # noqa: E402
     SyncerCore,
     TensorSpec,
 )
+from rackmend.core.records import FAILSLOW_EVENTS  # noqa: E402
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rackmend.transport import wire  # noqa: E402
 
@@ -397,30 +398,30 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
                          "--slow-factor", "3")
     alive = (syncer, fast, slow)
 
-    def named(name: str) -> list[dict]:
-        return [e for e in events(tmp_path) if e["event"] == name]
+    def rungs(kind: type) -> list[FailSlowNoted]:
+        return [e for e in events(tmp_path, FailSlowNoted) if isinstance(e.action, kind)]
 
     # This machine's other processes can slow a 30 ms step by 10-30 % for a while, and
     # flagging that is the detector's job: the test looks for the injected x3 only.
-    def injected() -> list[dict]:
-        return [e for e in named("failslow_slow") if e["ratio"] > 2]
+    def injected() -> list[FailSlowNoted]:
+        return [e for e in rungs(StopExpecting) if e.action.report.ratio > 2]
 
     wait_for(injected, 60, "the slow learner to be flagged", alive)
     flag = injected()[0]
-    assert flag["learner"] == "l1" and flag["rank"] == 0, flag
+    assert (flag.action.report.learner, flag.action.report.rank) == ("l1", 0), flag
     # The slow window lasts 80 steps (7 s or more): the metrics show l1 as slow meanwhile.
     wait_for(lambda: metric(scrape(url), "rackmend_learner_failslow_state", learner="l1") == 1, 30,
              "the metrics to show l1 as slow", alive)
     # The fast learner may finish first (it has no slow window to sit out).
-    wait_for(lambda: [e for e in named("failslow_restore") if e["t"] > flag["t"]], 60,
+    wait_for(lambda: [e for e in rungs(RestoreLearner) if e.t > flag.t], 60,
              "the slow learner to be restored", (syncer, slow))
-    assert [e["learner"] for e in named("failslow_restore") if e["t"] > flag["t"]][0] == "l1"
+    assert [e.action.report.learner for e in rungs(RestoreLearner) if e.t > flag.t][0] == "l1"
     for p in (fast, slow):
         assert p.wait(60) == 0
     wait_for(lambda: metric(scrape(url), "rackmend_learner_connected") == 0, 30, "both leaves in the metrics")
     final = scrape(url)  # nothing happens any more: every ladder step counted equals the log's
-    for kind in ("blip", "slow", "advise", "evict", "restore"):
-        assert metric(final, "rackmend_failslow_events_total", event=kind) == len(named(f"failslow_{kind}")), kind
+    for rung, name in FAILSLOW_EVENTS.items():  # the metric's label is the rung's word of its log event
+        assert metric(final, "rackmend_failslow_events_total", event=name.removeprefix("failslow_")) == len(rungs(rung)), name
     assert metric(final, "rackmend_learner_failslow_state") == 0  # both left: their cases are closed
     out = procs.output("l1")
     # The advised ratio is the injected x3 as measured on a shared machine: above 2, and

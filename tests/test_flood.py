@@ -14,11 +14,13 @@ import torch
 import zmq
 
 from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
+from rackmend.core.records import Joined, Left, Merged
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.events import BadMessage, MessageLimit, SettingsRefused, Stopped, Suppressed, UnknownPeer
 from rackmend.service.syncer import MAX_QUEUED_REPLIES, STRANGER_MAX_BYTES, layout_message_limit
 from rackmend.transport import wire
 
-from procs import Procs, events
+from procs import Procs, events, of
 from test_trust import CONFIG, Raw
 
 FLOOD = 20_000
@@ -72,11 +74,11 @@ def test_message_limits_before_and_after_join(procs: Procs, tmp_path: Path) -> N
         member.send([*member.contribution(), b"\0" * (limit + 1)])
         errors = member.errors(10.0)
         assert errors and f"exceeds the limit of {limit}" in errors[0]["reason"], errors
-        (named,) = [e for e in events(tmp_path) if e["event"] == "message_limit"]
-        assert named["bytes"] == limit  # what to pass as --max-message-mb for ZeroMQ's own cap
+        (named,) = events(tmp_path, MessageLimit)
+        assert named.bytes == limit  # what to pass as --max-message-mb for ZeroMQ's own cap
         member.send(member.contribution())  # an ordinary one still merges
         end = time.monotonic() + 20
-        while not any(e["event"] == "merge" and "l0" in e["merged"] for e in events(tmp_path)):
+        while not any("l0" in e.merged for e in events(tmp_path, Merged)):
             assert time.monotonic() < end, "the member's contribution was never merged"
             time.sleep(0.05)
     finally:
@@ -103,13 +105,14 @@ def test_junk_flood_from_a_peer_that_never_reads_is_bounded(procs: Procs, tmp_pa
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(30) == 0
     ev = events(tmp_path)
-    (stopped,) = [e for e in ev if e["event"] == "stopped"]
-    assert stopped["rejected_messages"] >= FLOOD
-    assert stopped["queued_replies_max"] <= MAX_QUEUED_REPLIES, stopped
-    assert stopped["replies_dropped"] > 0, "the peer read nothing, yet no reply was dropped"
-    peer = next(e["peer"] for e in ev if e["event"] in ("bad_message", "unknown_peer"))
-    lines = [e for e in ev if e.get("peer") == peer and e["event"] in ("bad_message", "unknown_peer")]
-    counted = sum(e["count"] for e in ev if e["event"] == "suppressed" and e.get("peer") == peer)
+    (stopped,) = of(ev, Stopped)
+    assert stopped.rejected_messages >= FLOOD
+    assert stopped.queued_replies_max <= MAX_QUEUED_REPLIES, stopped
+    assert stopped.replies_dropped > 0, "the peer read nothing, yet no reply was dropped"
+    junk = of(ev, BadMessage, UnknownPeer)
+    peer = junk[0].peer
+    lines = [e for e in junk if e.peer == peer]
+    counted = sum(e.count for e in of(ev, Suppressed) if e.peer == peer)
     assert len(lines) < 100, f"{len(lines)} log lines for one junk peer"
     assert len(lines) + counted >= FLOOD, "junk was neither logged nor counted"
 
@@ -136,10 +139,10 @@ def test_a_hello_and_leave_storm_from_one_connection_writes_a_bounded_log(procs:
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(30) == 0
     ev = events(tmp_path)
-    for kind in ("join", "leave"):
-        lines = [e for e in ev if e["event"] == kind and e.get("learner") == "storm"]
-        counted = sum(e["count"] for e in ev if e["event"] == "suppressed" and e["of"] == kind)
-        assert len(lines) <= 3 * 5, f"{len(lines)} {kind} records for one connection"
+    for kind in (Joined, Left):
+        lines = [e for e in of(ev, kind) if e.learner == "storm"]
+        counted = sum(e.count for e in of(ev, Suppressed) if e.of == kind.event)
+        assert len(lines) <= 3 * 5, f"{len(lines)} {kind.__name__} records for one connection"
         assert len(lines) + counted == rounds, (kind, len(lines), counted)
 
 
@@ -161,7 +164,7 @@ def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread(procs: Procs, t
         stranger.close()
         other.close()
     assert syncer.poll() is None
-    assert not [e for e in events(tmp_path) if "exceeds the limit" in e.get("reason", "")]
+    assert not [e for e in events(tmp_path, BadMessage) if "exceeds the limit" in e.reason]
 
 
 def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_message_mb(
@@ -179,5 +182,5 @@ def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_messa
         raw.close()
     assert reply is not None and reply[0]["type"] == "error" and reply[0]["code"] == "fatal", reply
     assert "--max-message-mb 321" in reply[0]["reason"], reply[0]["reason"]
-    (refused,) = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
-    assert refused["setting"] == "message_limit"
+    (refused,) = events(tmp_path, SettingsRefused)
+    assert refused.setting == "message_limit"

@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from procs import HERE, Procs, events, finish  # noqa: E402
+from rackmend.core.records import Merged, Rejected, TokenUnits  # noqa: E402
+from rackmend.service.events import BadMessage  # noqa: E402
 
 TRAINER = [sys.executable, str(HERE / "_trainer_proc.py")]
 TOKENS_PER_STEP = 4 * 16  # the helper's batch x sequence length
@@ -30,15 +32,15 @@ def test_trainer_racks_train_through_a_syncer_with_token_weights(procs: Procs, t
              for lid in ids}
     for lid, proc in racks.items():
         finish(proc, procs, lid, timeout=240)
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert {e["fragment"] for e in merges} == {0, 1} and len(merges) >= 2 * (steps // 4 - 1)
+    merges = events(tmp_path, Merged)
+    assert {e.fragment for e in merges} == {0, 1} and len(merges) >= 2 * (steps // 4 - 1)
     for e in merges:
-        assert e["merged"] == ids
+        assert list(e.merged) == ids
         for lid in ids:
-            k = e["tokens"][lid] / TOKENS_PER_STEP
-            assert k == int(k) and 1 <= k <= 4, f"{lid} reported {e['tokens'][lid]} tokens"
-        assert all(abs(w - 0.5) < 0.2 for w in e["weights"].values()), e["weights"]
-    assert not [e for e in events(tmp_path) if e["event"] in ("token_units", "reject", "bad_message")]
+            k = e.tokens[lid] / TOKENS_PER_STEP
+            assert k == int(k) and 1 <= k <= 4, f"{lid} reported {e.tokens[lid]} tokens"
+        assert all(abs(w - 0.5) < 0.2 for w in e.weights.values()), e.weights
+    assert not events(tmp_path, TokenUnits, Rejected, BadMessage)
     for lid in ids:
         result = json.loads((tmp_path / f"{lid}.json").read_text())
         assert result["step"] == steps and min(result["versions"]) >= steps // 4 - 1
@@ -82,13 +84,13 @@ def test_attach_to_trainer_counts_batch_tokens_and_logs_merges(procs: Procs, tmp
         micro = r["collated"][: steps * accumulate]  # the loader may have collated one batch ahead
         step_tokens[lid] = [sum(micro[i:i + accumulate]) for i in range(0, len(micro), accumulate)]
         assert len(set(step_tokens[lid])) > 1, "batches were not ragged: the test would not tell counts apart"
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    merges = events(tmp_path, Merged)
     for p, offset in enumerate(fragment_offsets(P, H)):
-        got = [e for e in merges if e["fragment"] == p]
-        assert got and all(e["merged"] == ids for e in got)
+        got = [e for e in merges if e.fragment == p]
+        assert got and all(list(e.merged) == ids for e in got)
         for lid in ids:
-            assert [e["tokens"][lid] for e in got] == _expected_tokens(step_tokens[lid], offset, H, tau, steps)
-    assert not [e for e in events(tmp_path) if e["event"] in ("token_units", "reject", "bad_message")]
+            assert [e.tokens[lid] for e in got] == _expected_tokens(step_tokens[lid], offset, H, tau, steps)
+    assert not events(tmp_path, TokenUnits, Rejected, BadMessage)
     for lid, r in results.items():
         logged = [entry for entry in r["log_history"] if "rackmend/merges" in entry]
         assert logged and all("loss" in e or "train_runtime" in e for e in logged), "figures outside Trainer logs"

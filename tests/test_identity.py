@@ -20,13 +20,15 @@ import zmq.auth
 
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution, Update
+from rackmend.core.records import Joined, Left, Merged, Rejected
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.events import AuthDenied, IdentityRefused, Silent, Suppressed, TakenOver
 from rackmend.transport import wire
 from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import make_model, serving
-from procs import Procs, events, finish, wait_for
+from procs import Procs, events, finish, of, wait_for
 from test_trust import CONFIG, Raw
 
 # The learner processes train with the raw clients' settings (test_trust.CONFIG): H=4, P=2, tau=1.
@@ -35,7 +37,7 @@ SYNCER_FLAGS = ("--overlap", "1", "--grace-max", "0.05")
 
 
 def merges_of(tmp: Path, lid: str, start: int = 0) -> int:
-    return sum(1 for e in events(tmp)[start:] if e["event"] == "merge" and lid in e["merged"])
+    return sum(1 for e in of(events(tmp)[start:], Merged) if lid in e.merged)
 
 
 def first_error(raw: Raw, timeout: float) -> dict | None:
@@ -82,12 +84,12 @@ def test_forged_hello_leave_and_contribution_are_refused_and_a_storm_does_not_cu
         for raw in storm:
             raw.close()
     ev = events(tmp_path)
-    refused = [e for e in ev if e["event"] == "identity_refused"]
-    assert {e["type"] for e in refused} >= {"hello", "leave", "contrib"}
-    assert not [e for e in ev if e["event"] in ("leave", "silent", "takeover") and e.get("learner") == "l0"]
-    assert [e["learner"] for e in ev if e["event"] == "join"] == ["l0"], "a forged hello joined"
+    refused = of(ev, IdentityRefused)
+    assert {e.type for e in refused} >= {"hello", "leave", "contrib"}
+    assert not [e for e in of(ev, Left, Silent, TakenOver) if e.learner == "l0"]
+    assert [e.learner for e in of(ev, Joined)] == ["l0"], "a forged hello joined"
     # The storm's log lines are bounded per connection (the rest counted, not written).
-    assert len([e for e in ev[start:] if e["event"] == "identity_refused"]) <= 2 * 5 * len(storm)
+    assert len(of(ev[start:], IdentityRefused)) <= 2 * 5 * len(storm)
 
 
 def test_a_silent_learners_id_is_taken_over_only_after_takeover_after(procs: Procs, tmp_path: Path) -> None:
@@ -101,8 +103,8 @@ def test_a_silent_learners_id_is_taken_over_only_after_takeover_after(procs: Pro
         time.sleep(1.6)  # first says nothing more: silent past --takeover-after
         second.hello()  # raises if refused
         ev = events(tmp_path)
-        (take,) = [e for e in ev if e["event"] == "takeover"]
-        assert take["learner"] == "l5" and take["silent_s"] >= 1.5
+        (take,) = of(ev, TakenOver)
+        assert take.learner == "l5" and take.silent_s >= 1.5
         # The old connection lost the id: its contribution is refused now.
         first.send(first.contribution())
         err = first_error(first, 10.0)
@@ -135,8 +137,7 @@ def _try_hello(raw: Raw, lid: str, timeout: float = 2.0) -> dict | None:
 
 
 def _fragment_merges(tmp: Path, lid: str, fragment: int, start: int) -> int:
-    return sum(1 for e in events(tmp)[start:] if e["event"] == "merge" and e["fragment"] == fragment
-               and lid in e["merged"])
+    return sum(1 for e in of(events(tmp)[start:], Merged) if e.fragment == fragment and lid in e.merged)
 
 
 def test_a_learner_whose_id_was_taken_while_it_was_stopped_merges_again_when_it_returns(
@@ -169,8 +170,8 @@ def test_a_learner_whose_id_was_taken_while_it_was_stopped_merges_again_when_it_
     wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60,
              "l0 to merge fragment 0 again after it came back", (real,))
     ev = events(tmp_path)
-    assert len([e for e in ev if e["event"] == "takeover" and e["learner"] == "l0"]) == 2
-    assert not [e for e in ev[back:] if e["event"] == "reject" and e["learner"] == "l0" and "replay" in e["reason"]]
+    assert len([e for e in of(ev, TakenOver) if e.learner == "l0"]) == 2
+    assert not [e for e in of(ev[back:], Rejected) if e.learner == "l0" and "replay" in e.reason]
 
 
 def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path: Path) -> None:
@@ -193,8 +194,8 @@ def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path
     back = len(events(tmp_path))
     wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60, "l0 to go on merging", (real,))
     ev = events(tmp_path)
-    assert not [e for e in ev if e["event"] == "takeover"]
-    assert [e["learner"] for e in ev if e["event"] == "join"] == ["l0"]
+    assert not of(ev, TakenOver)
+    assert [e.learner for e in of(ev, Joined)] == ["l0"]
 
 
 def test_a_join_refused_as_busy_says_so_and_why() -> None:
@@ -272,9 +273,9 @@ def test_with_curve_a_key_speaks_only_as_its_learner_ids(procs: Procs, tmp_path:
     finally:
         l0.close()
     ev = events(tmp_path)
-    denied = [e for e in ev if e["event"] == "auth_denied" and "learner" in e]
-    assert [(e["learner"], e["type"]) for e in denied] == [("l1", "contrib"), ("l1", "hello")]
-    assert sorted(e["learner"] for e in ev if e["event"] == "join") == ["l0", "l1"]
+    denied = [e for e in of(ev, AuthDenied) if e.learner is not None]
+    assert [(e.learner, e.type) for e in denied] == [("l1", "contrib"), ("l1", "hello")]
+    assert sorted(e.learner for e in of(ev, Joined)) == ["l0", "l1"]
     assert real.poll() is None and merges_of(tmp_path, "l1") >= 3
 
 
@@ -299,7 +300,7 @@ def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Pr
                 raw.sock.send(b"x", zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        wait_for(lambda: sum(1 for e in events(tmp_path) if e["event"] == "auth_denied") >= 2, 30,
+        wait_for(lambda: len(events(tmp_path, AuthDenied)) >= 2, 30,
                  "the first refusals", (syncer,))
         time.sleep(2.0)
     finally:
@@ -308,11 +309,11 @@ def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Pr
     syncer.send_signal(signal.SIGINT)
     finish(syncer, procs, "syncer")
     ev = events(tmp_path)
-    denied = [e for e in ev if e["event"] == "auth_denied"]
-    summaries = [e for e in ev if e["event"] == "suppressed" and e["of"] == "auth_denied"]
+    denied = of(ev, AuthDenied)
+    summaries = [e for e in of(ev, Suppressed) if e.of == AuthDenied.event]
     assert len(denied) <= 2 * len(summaries) + 2, (len(denied), summaries)
-    assert len(denied) + sum(e["count"] for e in summaries) == 12, (len(denied), summaries)
-    assert all("eve" not in e.get("learner", "") for e in denied)
+    assert len(denied) + sum(e.count for e in summaries) == 12, (len(denied), summaries)
+    assert all("eve" not in (e.learner or "") for e in denied)
 
 
 def test_keygen_learners_names_the_ids_a_key_may_use(tmp_path: Path) -> None:

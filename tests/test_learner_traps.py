@@ -24,7 +24,7 @@ from rackmend import (
     ZmqLink,
 )
 from rackmend.core.fragments import pack_fragments
-from rackmend.core.records import TokenUnits
+from rackmend.core.records import Merged, TokenUnits
 from rackmend.learner.optimizer import ResumeOrderError
 from rackmend.transport.base import TransportError
 
@@ -67,9 +67,9 @@ def test_ddp_rack_with_the_documented_plain_link_equals_the_reference(procs: Pro
                 for lid in ids}
     for lid, proc in learners.items():
         finish(proc, procs, lid, timeout=120)
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert sorted({e["fragment"] for e in merges}) == list(range(P)), "some fragments never merged"
-    assert all(e["merged"] == ids for e in merges)
+    merges = events(tmp_path, Merged)
+    assert sorted({e.fragment for e in merges}) == list(range(P)), "some fragments never merged"
+    assert all(list(e.merged) == ids for e in merges)
     config = _config(P, tau, M=2)
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
     assert_files_equal_reference(tmp_path, ids, ref_models)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
-from rackmend.core.records import MergeHarmful
+from rackmend.core.records import Merged, MergeHarmful
 from rackmend.core.syncer import HARMFUL_LOSS, HARMFUL_STREAK
 from rackmend.transport.inprocess import InProcessSyncer
 
 from helpers import batch, make_inner, make_model, run_threads, serving, train
+from procs import of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,24 +86,24 @@ def test_gains_travel_over_the_wire_to_the_service_log() -> None:
     finally:
         svc.stop()
         thread.join(20)
-    merges = [r for r in records if r["event"] == "merge" and r["gains"]]
+    merges = [r for r in of(records, Merged) if r.gains]
     assert len(merges) >= 5, "gains did not reach the service's merge records"
     # What the service logs is what each learner measured, unchanged by the trip. Which
     # merges carry a gain depends on timing, so the check is membership, not order; the
     # size of the gains is the in-process test's subject (over the wire, timing moves it).
     for r in merges:
-        for lid, g in r["gains"].items():
+        for lid, g in r.gains.items():
             assert g in measured[lid], (lid, g, measured[lid])
-    assert min(g for r in merges for g in r["gains"].values()) < -0.5
+    assert min(g for r in merges for g in r.gains.values()) < -0.5
     # The warning fires on the streak the logged gains show (whether timing gave one is
     # not this test's subject): recompute it from the log and compare.
     streak: dict[int, int] = {}
     expected = set()
     for r in merges:
-        values = sorted(r["gains"].values())
+        values = sorted(r.gains.values())
         harmful = values[len(values) // 2] < -HARMFUL_LOSS
-        streak[r["fragment"]] = streak.get(r["fragment"], 0) + 1 if harmful else 0
-        if streak[r["fragment"]] == HARMFUL_STREAK:
-            expected.add((r["fragment"], r["round"]))
-    warned = [r for r in records if r["event"] == "merge_harmful"]
-    assert {r["fragment"] for r in warned} == {p for p, _ in expected}, (warned, expected)
+        streak[r.fragment] = streak.get(r.fragment, 0) + 1 if harmful else 0
+        if streak[r.fragment] == HARMFUL_STREAK:
+            expected.add((r.fragment, r.round))
+    warned = of(records, MergeHarmful)
+    assert {r.fragment for r in warned} == {p for p, _ in expected}, (warned, expected)

@@ -19,6 +19,7 @@ from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleC
 from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
+from rackmend.core.records import Merged, Rejected
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.cli import add_syncer_arguments, build, resolve
 from rackmend.service.metrics import is_loopback_host
@@ -30,7 +31,7 @@ from helpers import Dealer, free_port, make_inner, make_model, metric, scrape, s
 from procs import Procs, events, progress, wait_for
 
 def merges_logged(tmp: Path) -> int:
-    return sum(1 for e in events(tmp) if e["event"] == "merge")
+    return len(events(tmp, Merged))
 
 
 def join_raw(endpoint: str, lid: str, H: int, P: int, tau: int) -> tuple[Dealer, list, int]:
@@ -112,8 +113,8 @@ def test_metrics_move_during_a_live_run_and_count_refusals_by_reason(procs: Proc
         assert reply is not None and reply["code"] == "bad_message", reply
     finally:
         raw.close()
-    rejects = [e for e in events(tmp_path) if e["event"] == "reject" and e["learner"] == "mallory"]
-    assert [e["code"] for e in rejects] == ["bounds"], rejects
+    rejects = [e for e in events(tmp_path, Rejected) if e.learner == "mallory"]
+    assert [e.code for e in rejects] == ["bounds"], rejects
     third = scrape(url)
     assert metric(third, "rackmend_contributions_rejected_total", reason="bounds") == 1
     assert metric(third, "rackmend_messages_rejected_total", reason="bad_message") == 1

@@ -12,10 +12,12 @@ from typing import Callable
 import pytest
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Left, Merged
 from rackmend.netem.link import LinkConfig, LinkEmulator, Outage
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import batch, make_inner, make_model, run_threads, serving
+from procs import of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,14 +78,14 @@ def test_two_learners_survive_a_link_outage() -> None:
     assert max(gaps) < 1.0, f"l0 stalled for {max(gaps):.2f}s"
     # l1 also kept computing while cut off (it never blocks on the syncer).
     assert len([t for t in step_times["l1"] if OUTAGE_START + 0.3 <= t <= OUTAGE_START + OUTAGE_S]) > 10
-    merges = [r for r in records if r["event"] == "merge"]
-    assert any("l0" in m["merged"] for m in merges)
-    # records[0] is the syncer's "listening" event, just before the links started.
-    after = [m for m in merges if m["t"] > records[0]["t"] + OUTAGE_START + OUTAGE_S + 0.5]
-    assert any("l1" in m["merged"] for m in after), "l1 did not merge again after its link came back"
+    merges = of(records, Merged)
+    assert any("l0" in m.merged for m in merges)
+    # records[0] is the syncer's Listening event, just before the links started.
+    after = [m for m in merges if m.t > records[0].t + OUTAGE_START + OUTAGE_S + 0.5]
+    assert any("l1" in m.merged for m in after), "l1 did not merge again after its link came back"
     assert links["l1"].stats()["dropped_connections"] >= 1
     # Both left gracefully through their links (the syncer's bye came back), not by silence.
-    assert {r["learner"]: r["reason"] for r in records if r["event"] == "leave"} == {"l0": "leave", "l1": "leave"}
+    assert {r.learner: r.reason for r in of(records, Left)} == {"l0": "leave", "l1": "leave"}
 
 
 def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> None:
@@ -114,9 +116,9 @@ def test_deterministic_learner_declared_silent_rejoins_without_deadlock() -> Non
         stall.close()
     assert set(finished) == {"l0", "l1"}
     assert max(finished.values()) < STALL_START + STALL_S + 10, f"a learner hung: {finished}"
-    t_listen = records[0]["t"]
-    silent = [r for r in records if r["event"] == "leave" and r["learner"] == "l1" and r["reason"] == "silent"]
+    t_listen = records[0].t
+    silent = [r for r in of(records, Left) if r.learner == "l1" and r.reason == "silent"]
     assert silent, "the stall did not make the syncer drop l1 (the test would prove nothing)"
-    back = [r for r in records if r["event"] == "merge" and "l1" in r["merged"] and r["t"] > silent[0]["t"]]
+    back = [r for r in of(records, Merged) if "l1" in r.merged and r.t > silent[0].t]
     assert back, "l1 never merged again after being dropped"
-    assert back[0]["t"] - t_listen < STALL_START + STALL_S + 6
+    assert back[0].t - t_listen < STALL_START + STALL_S + 6

@@ -1,11 +1,13 @@
-"""The syncer core's typed records read back from their JSONL lines (``from_record``):
-every kind, built field by field from its type hints, and every record of a simulated
-run with a kill and a slowdown, come back equal after ``to_record()`` and JSON."""
+"""The syncer's typed records read back from their JSONL lines: every kind of the core's
+(``from_record``) and of the service's own events (``read_event``), built field by field
+from its type hints, and every record of a simulated run with a kill and a slowdown and
+of a real service's log (``read_log``), come back equal after ``to_record()`` and JSON."""
 
 from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 from collections import abc
 from dataclasses import fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -15,17 +17,33 @@ import pytest
 from rackmend.config import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.failslow import FailSlowReport
 from rackmend.core.records import FAILSLOW_EVENTS, FailSlowNoted, Guarded, Joined, Merged, SyncerRecord, from_record
+from rackmend.service.events import (
+    BadMessage,
+    CheckpointWritten,
+    Initialised,
+    InitRequested,
+    Listening,
+    ServiceEvent,
+    Stopped,
+    read_event,
+    read_log,
+)
 from rackmend.sim import Kill, RackSpec, SimConfig, Simulation, Slowdown
 
+from helpers import serving
+from test_trust import CONFIG as RAW_CONFIG
+from test_trust import Raw
 
-def _all_kinds() -> list[type[SyncerRecord]]:
-    kinds, todo = [], list(SyncerRecord.__subclasses__())
+
+def _all_kinds(base: type[SyncerRecord], leave_out: type = ServiceEvent) -> list[type[SyncerRecord]]:
+    """Every subclass of ``base`` that names its own event, but those of ``leave_out``."""
+    kinds, todo = [], list(base.__subclasses__())
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls is not FailSlowNoted:
+        if isinstance(cls.__dict__.get("event"), str) and not issubclass(cls, leave_out):
             kinds.append(cls)
-    return kinds
+    return sorted(kinds, key=lambda k: k.event)
 
 
 def _sample(hint: Any, i: int) -> Any:
@@ -40,6 +58,8 @@ def _sample(hint: Any, i: int) -> Any:
             tuple(_sample(a, i + k) for k, a in enumerate(args))
     if origin is abc.Mapping:
         return {f"k{i}": _sample(args[1], i + 1), f"k{i + 1}": _sample(args[1], i + 2)}
+    if hint is Any:
+        return [i, f"s{i}"]  # a JSON value of any kind
     return {str: f"s{i}", int: 10 + i, float: 0.5 + i, bool: i % 2 == 0}[hint]
 
 
@@ -47,15 +67,34 @@ def _roundtrip(record: SyncerRecord) -> SyncerRecord | None:
     return from_record(json.loads(json.dumps(record.to_record())))
 
 
-@pytest.mark.parametrize("kind", _all_kinds(), ids=lambda k: k.event)
-def test_every_kind_comes_back_from_its_log_line(kind: type[SyncerRecord]) -> None:
+def _example(kind: type[SyncerRecord]) -> SyncerRecord:
     hints = get_type_hints(kind)
     values = {f.name: _sample(hints[f.name], i) for i, f in enumerate(fields(kind))}
     if kind is Guarded:
         values["kind"] = None  # the parameters' form; the moments' form is below
-    record = kind(**values)  # type: ignore[arg-type]
+    return kind(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", _all_kinds(SyncerRecord), ids=lambda k: k.event)
+def test_every_kind_comes_back_from_its_log_line(kind: type[SyncerRecord]) -> None:
+    record = _example(kind)
     back = _roundtrip(record)
     assert back == record and type(back) is kind
+
+
+@pytest.mark.parametrize("kind", _all_kinds(ServiceEvent, leave_out=type(None)), ids=lambda k: k.event)
+def test_every_service_event_comes_back_from_its_log_line(kind: type[SyncerRecord]) -> None:
+    record = _example(kind)
+    line = json.loads(json.dumps(record.to_record()))
+    assert from_record(line) is None, "a service event the core's reader claims"
+    back = read_event(line)
+    assert back == record and type(back) is kind
+
+
+def test_the_service_events_have_names_of_their_own() -> None:
+    core = {k.event for k in _all_kinds(SyncerRecord)} | set(FAILSLOW_EVENTS.values())
+    service = [k.event for k in _all_kinds(ServiceEvent, leave_out=type(None))]
+    assert len(service) == len(set(service)) >= 20 and not core & set(service)
 
 
 def test_a_guarded_moments_round_comes_back() -> None:
@@ -88,7 +127,50 @@ def test_lines_the_core_does_not_write_are_not_records() -> None:
     assert from_record({"event": "checkpoint", "t": 1.0, "versions": [1, 2]}) is None
     assert from_record({"t": 1.0}) is None
     # A driver's extra keys are left out; a line missing a field is refused by name.
-    assert from_record({"event": "join", "t": 1.0, "learner": "a", "expected": True, "rank": 0}) == \
+    assert from_record({"event": "join", "t": 1.0, "learner": "a", "expected": True, "peer": "ab"}) == \
         Joined(t=1.0, learner="a", expected=True)
+    # The rank the service adds to a join is a field, left out of the core's own lines.
+    assert from_record({"event": "join", "t": 1.0, "learner": "a", "expected": True, "rank": 1, "world": 2}) == \
+        Joined(t=1.0, learner="a", expected=True, rank=1, world=2)
+    assert "rank" not in Joined(t=1.0, learner="a", expected=True).to_record()
     with pytest.raises(ValueError, match="'merge'"):
         from_record({"event": "merge", "t": 1.0, "fragment": 0})
+
+
+def test_a_line_of_no_known_event_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'fault_slow'"):
+        read_event({"event": "fault_slow", "t": 1.0})
+    with pytest.raises(ValueError, match="'checkpoint'"):
+        read_event({"event": "checkpoint", "t": 1.0})  # its path is missing
+
+
+def test_read_log_leaves_a_line_being_written_for_the_next_read(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    assert read_log(path) == []
+    first = Joined(t=1.0, learner="a", expected=True, rank=0, world=2)
+    path.write_text(json.dumps(first.to_record()) + "\n" + '{"event": "leave", "t": 2.0, "lear')
+    assert read_log(path) == [first]
+
+
+def test_a_real_service_log_reads_back_typed_and_unchanged(tmp_path: Path) -> None:
+    """Every line a running service wrote (listening, a seeding learner, a bad message, a
+    checkpoint, the stop) is a typed record whose ``to_record()`` is that line exactly."""
+    log = tmp_path / "events.jsonl"
+    svc, _, thread = serving(RAW_CONFIG, log_path=str(log), checkpoint_dir=str(tmp_path / "ck"))
+    raw = Raw(svc.endpoint, "seed")
+    try:
+        raw.hello()
+        raw.send([b"\x93 not msgpack"])
+        assert raw.errors(10.0), "the bad message was not answered"
+    finally:
+        raw.close()
+        svc.stop()
+        thread.join(20)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    records = read_log(log)
+    assert [r.to_record() for r in records] == lines
+    kinds = [type(r) for r in records]
+    assert kinds[0] is Listening and kinds[-1] is Stopped
+    assert {InitRequested, Initialised, Joined, BadMessage, CheckpointWritten} <= set(kinds), kinds
+    (join,) = [r for r in records if isinstance(r, Joined)]
+    assert (join.learner, join.rank, join.world) == ("seed", 0, 1)

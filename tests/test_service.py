@@ -20,14 +20,29 @@ from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, Sched
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import fingerprint, layout_to_wire, pack_fragments
+from rackmend.core.records import FinalMerged, Joined, Left, Merged, Rejected, Superseded
 from rackmend.service import ServiceConfig, SyncerService
+from rackmend.service.events import (
+    AuthDenied,
+    BadMessage,
+    CheckpointWritten,
+    Fetched,
+    Initialised,
+    InitRequested,
+    InitTimedOut,
+    Resumed,
+    SettingsRefused,
+    Silent,
+    Stopped,
+    UplinkCodecDiffers,
+)
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model, serving, train
 from reference import reference_run
 
-from procs import LEARNER, TORCHRUN, Procs, events, finish, progress, wait_for
+from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
 
 @pytest.mark.parametrize("P,tau,ranks", [(1, 0, 1), (2, 1, 1), (4, 1, 2)])
 def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int,
@@ -49,13 +64,13 @@ def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Pat
     torch.set_num_threads(1)
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
     assert_files_equal_reference(tmp_path, ids, ref_models)
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert len(merges) >= P * 3 and all(e["merged"] == ids for e in merges)
+    merges = events(tmp_path, Merged)
+    assert len(merges) >= P * 3 and all(list(e.merged) == ids for e in merges)
     if ranks > 1:  # every fragment came from its owner rank: p mod 2
-        hellos = [e for e in events(tmp_path) if e["event"] == "join"]
-        assert sorted((e["learner"], e["rank"], e["world"]) for e in hellos) == sorted(
+        hellos = events(tmp_path, Joined)
+        assert sorted((e.learner, e.rank, e.world) for e in hellos) == sorted(
             (lid, r, ranks) for lid in ids for r in range(ranks)), "each rank's join names it"
-        assert not [e for e in events(tmp_path) if e["event"] == "superseded"], "a fragment was sent twice"
+        assert not events(tmp_path, Superseded), "a fragment was sent twice"
 
 
 def test_compressed_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path) -> None:
@@ -95,11 +110,11 @@ def test_compressed_learner_processes_equal_the_reference(procs: Procs, tmp_path
             for i in range(len(ref_theta[p])):
                 assert torch.equal(held[f"held/{p}/{i}"], checkpoint[f"history/{p}/{v}/{i}"]), \
                     f"{lid} holds fragment {p} v{v} unlike the syncer"
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert len(merges) >= P * 3 and all(e["codecs"] == {lid: "int4" for lid in ids} for e in merges)
+    merges = events(tmp_path, Merged)
+    assert len(merges) >= P * 3 and all(e.codecs == {lid: "int4" for lid in ids} for e in merges)
     full = [f.nbytes for f in pack_fragments(make_model(), P, H)]
-    assert all(e["bytes_out"] < full[e["fragment"]] * len(ids) / 3 for e in merges), "updates were not compressed"
-    assert not [e for e in events(tmp_path) if e["event"] in ("fetch", "bad_message", "reject")]
+    assert all(e.bytes_out < full[e.fragment] * len(ids) / 3 for e in merges), "updates were not compressed"
+    assert not events(tmp_path, Fetched, BadMessage, Rejected)
 
 
 def test_sigkilled_learner_stalls_nobody_and_rejoins(procs: Procs, tmp_path: Path) -> None:
@@ -113,19 +128,19 @@ def test_sigkilled_learner_stalls_nobody_and_rejoins(procs: Procs, tmp_path: Pat
     b.wait(10)
     step_a = progress(pa)[0]
     wait_for(lambda: progress(pa)[0] >= step_a + 40, 30, "learner l0 to keep stepping after l1 died", (a,))
-    wait_for(lambda: any(e["event"] == "silent" and e["learner"] == "l1" for e in events(tmp_path)), 10,
+    wait_for(lambda: any(e.learner == "l1" for e in events(tmp_path, Silent)), 10,
              "the syncer to notice l1 went silent")
     # Restart b under the same id: it joins with the current global value.
     b2 = procs.learner(endpoint, "l1", "--steps", "60", "--step-sleep", "0.01", "--progress", str(pb), name="b2")
     finish(b2, procs, "b2")
     finish(a, procs, "l0", timeout=90)
     ev = events(tmp_path)
-    grace = [e["wait_s"] for e in ev if e["event"] == "merge"]
+    grace = [e.wait_s for e in of(ev, Merged)]
     assert max(grace) <= 0.5 + 0.5, f"a round waited {max(grace):.2f}s, beyond the grace bound"
-    joins_b = [e for e in ev if e["event"] == "join" and e["learner"] == "l1"]
+    joins_b = [e for e in of(ev, Joined) if e.learner == "l1"]
     assert len(joins_b) >= 2
-    rejoin_t = joins_b[-1]["t"]
-    assert any("l1" in e["merged"] and e["t"] > rejoin_t for e in ev if e["event"] == "merge"), \
+    rejoin_t = joins_b[-1].t
+    assert any("l1" in e.merged and e.t > rejoin_t for e in of(ev, Merged)), \
         "b's contributions did not merge again after it rejoined"
 
 
@@ -142,25 +157,25 @@ def test_sigkilled_syncer_resumes_and_learners_catch_up(procs: Procs, tmp_path: 
     b = procs.learner(endpoint, "l1", "--steps", "100000", "--step-sleep", "0.02", "--progress", str(pb))
     # Both must have joined (a learner still joining does block, up to its join timeout).
     wait_for(lambda: min(progress(pa)[0], progress(pb)[0]) >= 10, 60, "both learners to step", (a, b))
-    wait_for(lambda: any(e["event"] == "checkpoint" for e in events(tmp_path)), 60, "a first checkpoint", (a, b))
+    wait_for(lambda: bool(events(tmp_path, CheckpointWritten)), 60, "a first checkpoint", (a, b))
     s1.send_signal(signal.SIGKILL)
     s1.wait(10)
-    saved = [e for e in events(tmp_path) if e["event"] == "checkpoint"][-1]["versions"]
+    saved = events(tmp_path, CheckpointWritten)[-1].versions
     step_a = progress(pa)[0]
     wait_for(lambda: progress(pa)[0] >= step_a + 20, 30, "learner l0 to keep stepping without a syncer", (a,))
     s2, _ = procs.syncer(*flags, "--resume", "--bind", f"tcp://127.0.0.1:{port}", name="syncer2")
-    resumed = [e for e in events(tmp_path) if e["event"] == "resumed"][-1]
+    resumed = events(tmp_path, Resumed)[-1]
     # A checkpoint may have landed between its log line and the kill: never older, maybe newer.
-    assert all(r >= v for r, v in zip(resumed["versions"], saved)), "a checkpointed merge was lost"
-    saved = resumed["versions"]
-    t_resume = resumed["t"]
-    wait_for(lambda: {lid for e in events(tmp_path) if e["event"] == "merge" and e["t"] > t_resume
-                      for lid in e["merged"]} >= {"l0", "l1"}, 60, "both learners to merge with the resumed syncer")
-    after = [e for e in events(tmp_path) if e["event"] == "merge" and e["t"] > t_resume]
-    assert all(e["version"] > saved[e["fragment"]] for e in after)
+    assert all(r >= v for r, v in zip(resumed.versions, saved)), "a checkpointed merge was lost"
+    saved = resumed.versions
+    t_resume = resumed.t
+    wait_for(lambda: {lid for e in events(tmp_path, Merged) if e.t > t_resume
+                      for lid in e.merged} >= {"l0", "l1"}, 60, "both learners to merge with the resumed syncer")
+    after = [e for e in events(tmp_path, Merged) if e.t > t_resume]
+    assert all(e.version > saved[e.fragment] for e in after)
     s2.send_signal(signal.SIGTERM)
     assert s2.wait(20) == 0
-    assert [e for e in events(tmp_path) if e["event"] == "stopped"], "no clean stop after SIGTERM"
+    assert events(tmp_path, Stopped), "no clean stop after SIGTERM"
     for proc, name in ((a, "l0"), (b, "l1")):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130, procs.output(name)[-3000:]  # "interrupted: leaving"
@@ -222,9 +237,9 @@ def test_curve_admits_only_allowed_learner_keys(procs: Procs, tmp_path: Path) ->
     assert bad.wait(60) != 0 and "no answer from the syncer" in procs.output("intruder")
     assert plain.wait(60) != 0 and "no answer from the syncer" in procs.output("plain")
     ev = events(tmp_path)
-    assert any(e["event"] == "auth_denied" for e in ev), "the refused key was not logged"
-    assert {e["learner"] for e in ev if e["event"] == "join"} == {"l0"}
-    assert any(e["event"] == "merge" and e["merged"] == ["l0"] for e in ev)
+    assert of(ev, AuthDenied), "the refused key was not logged"
+    assert {e.learner for e in of(ev, Joined)} == {"l0"}
+    assert any(e.merged == ("l0",) for e in of(ev, Merged))
 
 
 def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) -> None:
@@ -235,12 +250,11 @@ def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) ->
     wait_for(lambda: progress(pl)[0] >= 20, 60, "the learner to step", (learner,))
     learner.send_signal(signal.SIGINT)
     assert learner.wait(15) == 130 and "interrupted: leaving" in procs.output("l0")
-    wait_for(lambda: any(e["event"] == "leave" and e["learner"] == "l0" and e["reason"] == "leave"
-                         for e in events(tmp_path)), 10, "the syncer to log the graceful leave")
+    wait_for(lambda: any(e.learner == "l0" and e.reason == "leave" for e in events(tmp_path, Left)), 10, "the syncer to log the graceful leave")
     syncer.send_signal(signal.SIGINT)
     assert syncer.wait(15) == 0
     assert (ck / "syncer.safetensors").exists()
-    assert [e for e in events(tmp_path) if e["event"] == "stopped"]
+    assert events(tmp_path, Stopped)
 
 
 # ---------------------------------------------------------------- "no silent wrongness"
@@ -303,11 +317,11 @@ def test_first_learner_dying_mid_init_hands_seeding_to_the_next(procs: Procs, tm
     learner = procs.learner(endpoint, "l0", "--steps", "12", "--tau", "1", "--join-timeout", "20")
     finish(learner, procs, "l0", timeout=90)
     ev = events(tmp_path)
-    kinds = [(e["event"], e.get("learner")) for e in ev]
-    assert ("init_request", "ghost") in kinds and ("init_timeout", "ghost") in kinds
-    assert ("init_request", "l0") in kinds and ("initialised", "l0") in kinds
-    assert kinds.index(("init_timeout", "ghost")) < kinds.index(("initialised", "l0"))
-    assert any(e["event"] == "merge" and "l0" in e["merged"] for e in ev)
+    kinds = [(type(e), getattr(e, "learner", None)) for e in ev]
+    assert (InitRequested, "ghost") in kinds and (InitTimedOut, "ghost") in kinds
+    assert (InitRequested, "l0") in kinds and (Initialised, "l0") in kinds
+    assert kinds.index((InitTimedOut, "ghost")) < kinds.index((Initialised, "l0"))
+    assert any("l0" in e.merged for e in of(ev, Merged))
 
 
 def test_init_request_passes_to_a_waiting_learner_after_init_timeout(tmp_path: Path) -> None:
@@ -330,9 +344,9 @@ def test_init_request_passes_to_a_waiting_learner_after_init_timeout(tmp_path: P
         svc.stop()
         thread.join(20)
     ev = events(tmp_path)
-    timeout = [e for e in ev if e["event"] == "init_timeout"]
-    assert timeout and timeout[0]["learner"] == "a" and timeout[0]["next"] == "b"
-    assert [e["learner"] for e in ev if e["event"] == "init_request"] == ["a", "b"]
+    timeout = of(ev, InitTimedOut)
+    assert timeout and timeout[0].learner == "a" and timeout[0].next == "b"
+    assert [e.learner for e in of(ev, InitRequested)] == ["a", "b"]
 
 
 def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path: Path) -> None:
@@ -343,9 +357,9 @@ def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path:
     assert wrong.wait(90) != 0, "a learner with tau=1 trained against a syncer with --overlap 2"
     out = procs.output("l0")
     assert "overlap" in out and "--overlap 1" in out, out[-3000:]
-    refused = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
-    assert refused and refused[0]["setting"] == "overlap" and refused[0]["learner"] == "l0"
-    assert (refused[0]["learner_value"], refused[0]["syncer_value"]) == (1, 2)
+    refused = events(tmp_path, SettingsRefused)
+    assert refused and refused[0].setting == "overlap" and refused[0].learner == "l0"
+    assert (refused[0].learner_value, refused[0].syncer_value) == (1, 2)
 
 
 def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tmp_path: Path) -> None:
@@ -389,12 +403,12 @@ def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tm
         svc.stop()
         thread.join(20)
     ev = events(tmp_path)
-    refused = {e["learner"]: e["setting"] for e in ev if e["event"] == "settings_refused"}
+    refused = {e.learner: e.setting for e in of(ev, SettingsRefused)}
     assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments",
                        "ow": "apply"}
-    uplink = [e for e in ev if e["event"] == "uplink_codec_differs"]
-    assert [(e["learner"], e["learner_codec"], e["syncer_codec"]) for e in uplink] == [("seed", "int4", "none")]
-    assert {e["learner"] for e in ev if e["event"] == "join"} == {"seed", "up"}
+    uplink = of(ev, UplinkCodecDiffers)
+    assert [(e.learner, e.learner_codec, e.syncer_codec) for e in uplink] == [("seed", "int4", "none")]
+    assert {e.learner for e in of(ev, Joined)} == {"seed", "up"}
 
 
 def test_work_sent_before_a_graceful_leave_is_merged(procs: Procs, tmp_path: Path) -> None:
@@ -409,9 +423,9 @@ def test_work_sent_before_a_graceful_leave_is_merged(procs: Procs, tmp_path: Pat
     l0 = procs.learner(endpoint, "l0", "--steps", str(steps), "--H", str(H), "--P", "1", "--tau", "0",
                        "--out", str(tmp_path / "l0.safetensors"))
     finish(l0, procs, "l0")
-    wait_for(lambda: any(e["event"] == "merge" for e in events(tmp_path)), 30, "a merge after l0's leave", (syncer,))
-    (merge,) = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert merge["merged"] == ["l0"] and merge["cause"] == "leave"
+    wait_for(lambda: bool(events(tmp_path, Merged)), 30, "a merge after l0's leave", (syncer,))
+    (merge,) = events(tmp_path, Merged)
+    assert merge.merged == ("l0",) and merge.cause == "leave"
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(30) == 0
     theta = load_file(str(ck / "syncer.safetensors"))
@@ -443,10 +457,10 @@ def test_graceful_stop_merges_pending_work_before_its_checkpoint(tmp_path: Path)
         server.join(20)
         opt.close()
     assert not server.is_alive()
-    names = [r["event"] for r in records]
-    assert "final_merge" in names and names.index("final_merge") < names.index("checkpoint")
-    (merge,) = [r for r in records if r["event"] == "merge"]
-    assert merge["cause"] == "final" and merge["merged"] == ["l0"]
+    kinds = [type(r) for r in records]
+    assert FinalMerged in kinds and kinds.index(FinalMerged) < kinds.index(CheckpointWritten)
+    (merge,) = of(records, Merged)
+    assert merge.cause == "final" and merge.merged == ("l0",)
     theta = load_file(str(tmp_path / "ck" / "syncer.safetensors"))
     named = dict(model.named_parameters())
     for i, name in enumerate(svc.core.fragments[0].names):  # type: ignore[union-attr]
@@ -467,9 +481,9 @@ def test_syncer_console_shows_progress_lines(procs: Procs, tmp_path: Path) -> No
     assert syncer.wait(30) == 0
     lines = re.findall(r"progress: (\d+) merges in the last [\d.]+ s \(latest versions ([^)]*)\); learners merged: (.*)",
                        procs.output("syncer"))
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
+    merges = events(tmp_path, Merged)
     assert len(lines) >= 2, procs.output("syncer")[-2000:]
     assert sum(int(n) for n, _, _ in lines) <= len(merges)
-    assert {lid for _, _, named in lines for lid in named.split(", ")} <= {lid for e in merges for lid in e["merged"]}
+    assert {lid for _, _, named in lines for lid in named.split(", ")} <= {lid for e in merges for lid in e.merged}
     top = {int(f): int(v) for _, versions, _ in lines for f, v in re.findall(r"(\d+): v(\d+)", versions)}
-    assert all(v <= max(e["version"] for e in merges if e["fragment"] == f) for f, v in top.items())
+    assert all(v <= max(e.version for e in merges if e.fragment == f) for f, v in top.items())

@@ -18,11 +18,13 @@ from safetensors.torch import load_file
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.pieces import Piece, whole_pieces
+from rackmend.core.records import Incomplete, Joined, Left, Merged, PieceDropped, Rejected
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.events import BadMessage, Gated, InitRequested, Listening, SettingsRefused
 from rackmend.transport import wire
 
 from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model
-from procs import Procs, descendants, events, finish, progress, wait_for
+from procs import Procs, descendants, events, finish, of, progress, wait_for
 from reference import reference_run
 
 SHARDED = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -50,11 +52,11 @@ def _reference(ids: list[str], grad_ranks: dict[str, int] | None = None) -> dict
     return reference_run(make_model, make_inner, batch, config, ids, STEPS, grad_ranks=grad_ranks)[0]
 
 
-def _merges(tmp: Path, ids: list[str]) -> list[dict]:
-    merges = [e for e in events(tmp) if e["event"] == "merge"]
-    assert sorted({e["fragment"] for e in merges}) == list(range(P)), "some fragments never merged"
-    assert all(e["merged"] == ids for e in merges), [e["merged"] for e in merges]
-    assert not [e for e in events(tmp) if e["event"] in ("incomplete", "piece_dropped", "reject", "bad_message")]
+def _merges(tmp: Path, ids: list[str]) -> list[Merged]:
+    merges = events(tmp, Merged)
+    assert sorted({e.fragment for e in merges}) == list(range(P)), "some fragments never merged"
+    assert all(list(e.merged) == ids for e in merges), [e.merged for e in merges]
+    assert not events(tmp, Incomplete, PieceDropped, Rejected, BadMessage)
     return merges
 
 
@@ -174,9 +176,9 @@ def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs:
     finish(plain, procs, "l1", timeout=300)
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(30) == 0
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert {lid for e in merges for lid in e["merged"]} == set(ids)
-    assert not [e for e in events(tmp_path) if e["event"] in ("piece_dropped", "reject", "bad_message")]
+    merges = events(tmp_path, Merged)
+    assert {lid for e in merges for lid in e.merged} == set(ids)
+    assert not events(tmp_path, PieceDropped, Rejected, BadMessage)
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
     _held_equal_syncer(tmp_path, "l0", 2, load_file(str(ck / "syncer.safetensors")))
@@ -204,9 +206,9 @@ def test_llama_under_fsdp2_trains_through_rackmend(procs: Procs, tmp_path: Path)
                         "--endpoint", endpoint, "--id", "l0", "--steps", str(steps), "--H", str(H), "--P", "4",
                         "--tau", str(TAU), "--mixed", "--loss-out", str(tmp_path / "loss")], "l0")
     finish(proc, procs, "l0", timeout=300)
-    merges = [e for e in events(tmp_path) if e["event"] == "merge"]
-    assert sorted({e["fragment"] for e in merges}) == list(range(4)), "some fragments never merged"
-    assert not [e for e in events(tmp_path) if e["event"] in ("incomplete", "piece_dropped", "reject")]
+    merges = events(tmp_path, Merged)
+    assert sorted({e.fragment for e in merges}) == list(range(4)), "some fragments never merged"
+    assert not events(tmp_path, Incomplete, PieceDropped, Rejected)
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
     assert all(float(torch.tensor(v).bfloat16()) == v for v in (first, last)), "the forward did not run in bf16"
@@ -242,8 +244,8 @@ def test_fsdp_rack_resumes_from_a_distributed_checkpoint_onto_the_newer_global_v
             assert torch.equal(got[f"after/{b}"], expected), f"rank {rank} {b}: not rebased onto the newer value"
         assert any(not torch.equal(got[f"after/{b}"], got[f"ckpt/{b}"]) for b in blocks)
     log = events(tmp_path)
-    first_leave = min(e["t"] for e in log if e["event"] == "leave")
-    assert [e for e in log if e["event"] == "merge" and "l0" in e["merged"] and e["t"] > first_leave], \
+    first_leave = min(e.t for e in of(log, Left))
+    assert [e for e in of(log, Merged) if "l0" in e.merged and e.t > first_leave], \
         "the resumed rack merged nothing"
 
 
@@ -267,9 +269,9 @@ def test_fsdp_rack_relaunched_with_more_ranks_rejoins_and_trains_on(procs: Procs
     assert start3 < (start2 + end2) / 2, f"the 3-rank rack did not start from the global value: {losses}"
     assert end3 < start2, losses  # still below the initial model's loss after training on
     log = events(tmp_path)
-    assert not [e for e in log if e["event"] in ("incomplete", "piece_dropped", "reject", "bad_message")]
-    first_leave = min(e["t"] for e in log if e["event"] == "leave")
-    assert len([e for e in log if e["event"] == "merge" and e["t"] > first_leave]) >= P * 2
+    assert not of(log, Incomplete, PieceDropped, Rejected, BadMessage)
+    first_leave = min(e.t for e in of(log, Left))
+    assert len([e for e in of(log, Merged) if e.t > first_leave]) >= P * 2
 
 
 def test_rack_killed_and_relaunched_sharded_another_way_is_not_refused_for_its_old_pieces(procs: Procs,
@@ -282,7 +284,7 @@ def test_rack_killed_and_relaunched_sharded_another_way_is_not_refused_for_its_o
     rank and checks the new run's pieces by themselves: the rack trains."""
     _, endpoint = procs.syncer("--overlap", str(TAU), "--heartbeat-timeout", "60", "--takeover-after", "1")
     old = _rack(procs, endpoint, "l0", 2, "plain", ["l0"], tmp_path, "--step-sleep", "120")
-    wait_for(lambda: len([e for e in events(tmp_path) if e["event"] == "join"]) == 2 or old.poll() is not None,
+    wait_for(lambda: len(events(tmp_path, Joined)) == 2 or old.poll() is not None,
              120, "the unsharded rack to join")
     for pid in [*descendants(old.pid), old.pid]:
         os.kill(pid, signal.SIGKILL)
@@ -290,10 +292,10 @@ def test_rack_killed_and_relaunched_sharded_another_way_is_not_refused_for_its_o
     new = _rack(procs, endpoint, "l0", 2, "fsdp", ["l0"], tmp_path)
     finish(new, procs, "l0", timeout=240)
     log = events(tmp_path)
-    assert not [e for e in log if e["event"] in ("settings_refused", "reject", "bad_message")], log
-    waited = [e for e in log if e["event"] == "gate" and e.get("waiting_for")]
-    assert waited and "exactly one rank" in waited[0]["reason"], "the old run's pieces never met the new run's"
-    assert [e for e in log if e["event"] == "merge" and e["t"] > waited[0]["t"]], "the relaunched rack merged nothing"
+    assert not of(log, SettingsRefused, Rejected, BadMessage), log
+    waited = [e for e in of(log, Gated) if e.waiting_for]
+    assert waited and "exactly one rank" in waited[0].reason, "the old run's pieces never met the new run's"
+    assert [e for e in of(log, Merged) if e.t > waited[0].t], "the relaunched rack merged nothing"
 
 
 # ---------------------------------------------------------------- pieces refused at hello
@@ -338,10 +340,10 @@ def test_pieces_out_of_bounds_or_overlapping_are_refused_by_name(procs: Procs, t
             for d in (d0, d1):
                 err = d.recv_type("error", 10)
                 assert err is not None and err["code"] == "fatal" and word in err["reason"], err
-        refused = [e for e in events(tmp_path) if e["event"] == "settings_refused"]
-        assert {e["learner"] for e in refused} == {"solo", "overlap", "gap"}
-        assert all(e["setting"] == "pieces" for e in refused)
-        assert not [e for e in events(tmp_path) if e["event"] in ("init_request", "join")]
+        refused = events(tmp_path, SettingsRefused)
+        assert {e.learner for e in refused} == {"solo", "overlap", "gap"}
+        assert all(e.setting == "pieces" for e in refused)
+        assert not events(tmp_path, InitRequested, Joined)
     finally:
         for d in dealers:
             d.close()
@@ -378,7 +380,7 @@ def test_racks_set_up_wrong_are_refused_before_they_join(procs: Procs, tmp_path:
     out = procs.output("l0")
     for r in range(2):
         assert re.search(rf"\[rank{r}\]: rackmend\.config\.ConfigError: {says}", out), out[-3000:]
-    assert [e["event"] for e in events(tmp_path)] == ["listening"]
+    assert [type(e) for e in events(tmp_path)] == [Listening]
 
 
 @pytest.mark.parametrize("case", ["kept-equal", "drift-apart", "rounding"])
@@ -411,7 +413,7 @@ def test_plain_copies_that_differ_are_refused_only_when_the_rack_does_not_keep_t
     else:
         assert rack.returncode == 0, out[-3000:]
         assert not re.search(refused, out)
-        assert [e for e in events(tmp_path) if e["event"] == "merge"], "the rack never merged"
+        assert events(tmp_path, Merged), "the rack never merged"
 
 
 def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Procs, tmp_path: Path) -> None:
@@ -442,8 +444,7 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
                        # ranks read the old ranks' addresses from it and time out connecting
                        # (pytorch/pytorch#135712); a store per rendezvous round avoids that.
                        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    merged_l0 = lambda after: [e for e in events(tmp_path)  # noqa: E731
-                               if e["event"] == "merge" and "l0" in e["merged"] and e["t"] > after]
+    merged_l0 = lambda after: [e for e in events(tmp_path, Merged) if "l0" in e.merged and e.t > after]  # noqa: E731
     wait_for(lambda: progress(Path(f"{prog}.1"))[0] >= 3 and merged_l0(0), 120,
              "the sharded rack to step and merge", (rack, plain))
     victim, restart = _pid(Path(f"{pids}.1"))
@@ -458,9 +459,8 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     # (1) torchrun relaunches both ranks; they join again and the rack merges again.
     wait_for(lambda: all(_pid(Path(f"{pids}.{r}"))[1] == 1 for r in range(2)), 60, "torchrun to relaunch the rack",
              (plain,))
-    wait_for(lambda: len([e for e in events(tmp_path) if e["event"] == "join" and e["learner"] == "l0"
-                          and e["t"] > killed_at]) == 2, 60, "both relaunched ranks to join", (plain,))
-    rejoined = max(e["t"] for e in events(tmp_path) if e["event"] == "join" and e["learner"] == "l0")
+    wait_for(lambda: len([e for e in events(tmp_path, Joined) if e.learner == "l0" and e.t > killed_at]) == 2, 60, "both relaunched ranks to join", (plain,))
+    rejoined = max(e.t for e in events(tmp_path, Joined) if e.learner == "l0")
     finish(rack, procs, "l0", timeout=90)  # the relaunched rack runs to its end
     assert merged_l0(rejoined), "the relaunched rack's contributions never merged"
     assert _pid(Path(f"{pids}.1"))[0] != victim
@@ -471,30 +471,30 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     ev = events(tmp_path)
     # (2) the plain rack merged all through the outage; no round waited for the dead rack
     # beyond the grace bound.
-    outage = [e for e in ev if e["event"] == "merge" and killed_at < e["t"] < rejoined]
-    assert len([e for e in outage if "l1" in e["merged"]]) >= 5, [e["merged"] for e in outage]
-    assert any("l0" in e["absent"] for e in outage), "no round of the outage went ahead without the dead rack"
-    waits = [e["wait_s"] for e in ev if e["event"] == "merge"]
+    outage = [e for e in of(ev, Merged) if killed_at < e.t < rejoined]
+    assert len([e for e in outage if "l1" in e.merged]) >= 5, [e.merged for e in outage]
+    assert any("l0" in e.absent for e in outage), "no round of the outage went ahead without the dead rack"
+    waits = [e.wait_s for e in of(ev, Merged)]
     assert max(waits) <= grace + 0.5, f"a round waited {max(waits):.2f}s, beyond the grace bound {grace}s"
-    times = [killed_at] + [e["t"] for e in outage if "l1" in e["merged"]] + [rejoined]
+    times = [killed_at] + [e.t for e in outage if "l1" in e.merged] + [rejoined]
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"outage {rejoined - killed_at:.1f}s: {len(times) - 2} merges with l1, largest gap {max(gaps):.2f}s, "
           f"largest wait {max(waits):.2f}s")
     assert max(gaps) <= grace + 1.0 < heartbeat, f"the plain rack's merges stalled {max(gaps):.2f}s during the outage"
     # (3) rank 0's pieces of the step rank 1 never sent: dropped, with the reason, never merged.
-    dropped = [e for e in ev if e["event"] == "incomplete" and e["learner"] == "l0" and e["t"] > killed_at]
+    dropped = [e for e in of(ev, Incomplete) if e.learner == "l0" and e.t > killed_at]
     assert dropped, "no incomplete contribution of the killed rack was dropped"
     for e in dropped:
-        assert e["ranks"] == [0] and e["missing"] == [1], e
+        assert e.ranks == (0,) and e.missing == (1,), e
         # Dropped when the bound passed, the rack went silent, or its relaunched rank 0
         # sent pieces of an earlier step in a new session, whichever came first.
-        assert "dropped" in e["reason"] and any(why in e["reason"] for why in (
+        assert "dropped" in e.reason and any(why in e.reason for why in (
             "incomplete after", "went silent", "rank 0 restarted")), e
     # A contribution complete before the kill merges within the bound checked above; one of
     # the rack merging later, before it rejoined, could only be made of the dropped pieces.
-    late = [e for e in outage if "l0" in e["merged"] and e["t"] > killed_at + grace + 0.5]
+    late = [e for e in outage if "l0" in e.merged and e.t > killed_at + grace + 0.5]
     assert not late, f"the dead rack merged {len(late)} times after its kill: {late[0]}"
-    print("dropped:", [e["reason"] for e in dropped])
+    print("dropped:", [e.reason for e in dropped])
 
 
 # ---------------------------------------------------------------- a rank polling late
@@ -515,7 +515,7 @@ def test_rack_with_a_rank_polling_late_applies_merges_that_come_faster(procs: Pr
     syncer, endpoint = procs.syncer("--overlap", "1", "--min-quorum", "1", "--grace-max", "0.05",
                                     "--max-staleness", "30")
     plain = procs.learner(endpoint, "l1", "--steps", "100000", "--step-sleep", "0.05", *sched)
-    wait_for(lambda: len([e for e in events(tmp_path) if e["event"] == "merge"]) >= 5, 60,
+    wait_for(lambda: len(events(tmp_path, Merged)) >= 5, 60,
              "the plain rack to merge", (plain,))
     applied = tmp_path / "applied"
     rack = procs.start([*SHARDED, "--nproc-per-node", "2", PROC, "--mode", "fsdp", "--endpoint", endpoint,
@@ -528,16 +528,16 @@ def test_rack_with_a_rank_polling_late_applies_merges_that_come_faster(procs: Pr
     assert syncer.wait(30) == 0
     ev = events(tmp_path)
     ranks = [_applied(Path(f"{applied}.{r}")) for r in range(2)]
-    stale = [e for e in ev if e["event"] == "reject" and e["learner"] == "l0" and e["code"] == "stale"]
-    merged = [e for e in ev if e["event"] == "merge" and "l0" in e["merged"]]
+    stale = [e for e in of(ev, Rejected) if e.learner == "l0" and e.code == "stale"]
+    merged = [e for e in of(ev, Merged) if "l0" in e.merged]
     sends = steps // h
     print(f"applied {[v for _, _, v in ranks[0]]} at steps {[s for s, _, _ in ranks[0]]}; l0 merged {len(merged)} "
           f"times, refused as stale {len(stale)} times; syncer at version "
-          f"{max(e['version'] for e in ev if e['event'] == 'merge')}")
+          f"{max(e.version for e in of(ev, Merged))}")
     assert ranks[0] == ranks[1], "the ranks applied different values or at different steps"
     versions = [v for _, _, v in ranks[0]]
     assert versions == sorted(set(versions)), versions
     # Every send but the last is due within the run; allow one left unanswered on a
     # loaded machine (a value a step late).
     assert len(versions) >= sends - 2, f"the rack applied {len(versions)} values for {sends} sends"
-    assert not stale, stale[0]["reason"]
+    assert not stale, stale[0].reason

@@ -19,24 +19,22 @@ from safetensors.torch import load_file
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
-from rackmend.core.records import Left, Rejected
+from rackmend.core.records import Left, Merged, Rejected, SyncerRecord
 from rackmend.core.shards import Shard, owner, parse_shard
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.events import CheckpointWritten, Resumed, read_log
 from rackmend.service.export import ExportError, export_model
 from rackmend.transport import wire
 
 from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
-from procs import LEARNER, Procs, finish, progress, wait_for
+from procs import LEARNER, Procs, finish, of, progress, wait_for
 from reference import reference_run
 from test_trust import CONFIG, Raw
 
 
-def shard_events(tmp: Path, s: int) -> list[dict]:
-    path = tmp / f"shard{s}.jsonl"
-    if not path.exists():
-        return []
-    complete = path.read_text().rpartition("\n")[0]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+def shard_events(tmp: Path, s: int, *kinds: type[SyncerRecord]) -> list:
+    """Shard ``s``'s log records so far, typed, of ``kinds`` if given."""
+    return of(read_log(tmp / f"shard{s}.jsonl"), *kinds)
 
 
 def start_shard(procs: Procs, tmp: Path, s: int, count: int, *flags: str, name: str | None = None) -> tuple:
@@ -108,9 +106,9 @@ def test_two_shards_and_three_learner_processes_equal_the_reference(procs: Procs
     ref_models, _ = reference_run(make_model, make_inner, batch, config, ids, steps)
     assert_files_equal_reference(tmp_path, ids, ref_models)
     for s in range(2):  # each shard merged its own fragments, named as the model numbers them
-        merges = [e for e in shard_events(tmp_path, s) if e["event"] == "merge"]
-        assert {e["fragment"] for e in merges} == {p for p in range(P) if p % 2 == s}
-        assert len(merges) >= 2 * 3 and all(e["merged"] == ids for e in merges)
+        merges = shard_events(tmp_path, s, Merged)
+        assert {e.fragment for e in merges} == {p for p in range(P) if p % 2 == s}
+        assert len(merges) >= 2 * 3 and all(list(e.merged) == ids for e in merges)
 
 
 def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoint(
@@ -123,7 +121,7 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
     a = procs.learner(endpoints, "l0", *learner_flags, "--progress", str(pa))
     b = procs.learner(endpoints, "l1", *learner_flags, "--progress", str(pb))
-    wait_for(lambda: any(e["event"] == "checkpoint" for e in shard_events(tmp_path, 1)), 90,
+    wait_for(lambda: bool(shard_events(tmp_path, 1, CheckpointWritten)), 90,
              "shard 1's first checkpoint", (a, b))
     # `rackmend status` over both shards: one view, every fragment, each learner once.
     view = subprocess.run([sys.executable, "-m", "rackmend.cli", "status", endpoints, "--once", "--json"],
@@ -137,24 +135,24 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     killed, _ = shards[1]
     killed.send_signal(signal.SIGKILL)
     killed.wait(10)
-    saved = [e for e in shard_events(tmp_path, 1) if e["event"] == "checkpoint"][-1]["versions"]
+    saved = shard_events(tmp_path, 1, CheckpointWritten)[-1].versions
     before = len(shard_events(tmp_path, 0))
     step = progress(pa)[0]
     wait_for(lambda: progress(pa)[0] >= step + 40, 60, "l0 to keep stepping with shard 1 down", (a, b))
-    during = [e for e in shard_events(tmp_path, 0)[before:] if e["event"] == "merge"]
-    assert len(during) >= 4 and {e["fragment"] for e in during} == {0, 2}, "shard 0 stopped merging"
+    during = of(shard_events(tmp_path, 0)[before:], Merged)
+    assert len(during) >= 4 and {e.fragment for e in during} == {0, 2}, "shard 0 stopped merging"
     port = shards[1][1].rsplit(":", 1)[1]
     start_shard(procs, tmp_path, 1, 2, *flags, "--checkpoint-dir", str(tmp_path / "ck1"), "--resume", "--bind",
                 f"tcp://127.0.0.1:{port}", name="shard1-resumed")
-    resumed = [e for e in shard_events(tmp_path, 1) if e["event"] == "resumed"][-1]
-    assert resumed["shard"] == "1/2" and all(r >= v for r, v in zip(resumed["versions"], saved)), \
+    resumed = shard_events(tmp_path, 1, Resumed)[-1]
+    assert resumed.shard == "1/2" and all(r >= v for r, v in zip(resumed.versions, saved)), \
         "a checkpointed merge of the killed shard was lost"
-    wait_for(lambda: {lid for e in shard_events(tmp_path, 1) if e["event"] == "merge" and e["t"] > resumed["t"]
-                      for lid in e["merged"]} >= {"l0", "l1"}, 90, "both learners to merge on the resumed shard",
+    wait_for(lambda: {lid for e in shard_events(tmp_path, 1, Merged) if e.t > resumed.t
+                      for lid in e.merged} >= {"l0", "l1"}, 90, "both learners to merge on the resumed shard",
              (a, b))
-    after = [e for e in shard_events(tmp_path, 1) if e["event"] == "merge" and e["t"] > resumed["t"]]
-    assert all(e["fragment"] in (1, 3) for e in after)
-    assert all(e["version"] > resumed["versions"][Shard(1, 2).local(e["fragment"])] for e in after)
+    after = [e for e in shard_events(tmp_path, 1, Merged) if e.t > resumed.t]
+    assert all(e.fragment in (1, 3) for e in after)
+    assert all(e.version > resumed.versions[Shard(1, 2).local(e.fragment)] for e in after)
     for proc, name in ((a, "l0"), (b, "l1")):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130, procs.output(name)[-3000:]
@@ -167,7 +165,7 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     model = make_model()
     assert sorted(result.synced) == sorted(n for n, _ in model.named_parameters())
     model.load_state_dict(load_file(str(out)))
-    last = {s: [e for e in shard_events(tmp_path, s) if e["event"] == "checkpoint"][-1]["versions"] for s in (0, 1)}
+    last = {s: shard_events(tmp_path, s, CheckpointWritten)[-1].versions for s in (0, 1)}
     assert result.versions == [last[p % 2][p // 2] for p in range(4)]
     with pytest.raises(ExportError, match="shards 1/2 are missing"):
         export_model(tmp_path / "ck0", tmp_path / "half.safetensors")

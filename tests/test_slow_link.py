@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Merged, Rejected
 from rackmend.core.syncer import ContributionArrived
 from rackmend.netem.link import LinkConfig, LinkEmulator
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import run_threads, serving
+from procs import of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,8 +74,8 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
         svc.stop()
         server.join(20)
         slow.close()
-    t0 = records[0]["t"]
-    merges = [r for r in records if r["event"] == "merge"]
+    t0 = records[0].t
+    merges = of(records, Merged)
     assert len(merges) > 30, "the fast learner should drive many merges"
     # Both ends coalesced: the slow link could never carry everything that was made.
     assert links["slow"].superseded_sends > 0 and svc.superseded_updates > 0
@@ -84,4 +86,5 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
     last = [lag for t, lag in slow_arrivals if 0.6 * RUN_S <= t <= RUN_S]
     assert middle and last, slow_arrivals
     assert max(last) <= max(middle) + 6, f"staleness grew: {slow_arrivals}"
-    assert any("slow" in m["merged"] and m["t"] - t0 > 0.6 * RUN_S for m in merges), ("slow stopped being merged", slow_arrivals, [r["reason"] for r in records if r["event"] == "reject"][-5:])
+    assert any("slow" in m.merged and m.t - t0 > 0.6 * RUN_S for m in merges), (
+        "slow stopped being merged", slow_arrivals, [r.reason for r in of(records, Rejected)][-5:])

@@ -17,12 +17,14 @@ import zmq
 from safetensors.torch import load_file
 
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
+from rackmend.core.records import Merged
+from rackmend.service.events import AuthDenied, BadMessage
 from rackmend.transport import wire
 from rackmend.transport.status import StatusClient, StatusRefused, StatusTimeout
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import Dealer, make_inner, make_model, serving, train
-from procs import LEARNER, TORCHRUN, Procs, events, finish, progress, wait_for
+from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
 
 STATUS = [sys.executable, "-m", "rackmend.cli", "status"]
 
@@ -35,8 +37,8 @@ def status_json(endpoint: str, *flags: str, timeout: float = 10.0) -> tuple[int,
 
 
 def last_versions(tmp: Path, fragments: int) -> list[int]:
-    merges = [e for e in events(tmp) if e["event"] == "merge"]
-    return [max([e["version"] for e in merges if e["fragment"] == p], default=0) for p in range(fragments)]
+    merges = events(tmp, Merged)
+    return [max([e.version for e in merges if e.fragment == p], default=0) for p in range(fragments)]
 
 
 def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs: Procs, tmp_path: Path) -> None:
@@ -84,7 +86,7 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
     final = last_versions(tmp_path, P)  # nobody trains now: the answer must equal the log exactly
     assert [f["version"] for f in doc["fragments"]] == final
     assert all(f["phase"] == "open" and not f["waiting"] for f in doc["fragments"]), doc["fragments"]
-    assert doc["syncer"]["merges"] == len([e for e in events(tmp_path) if e["event"] == "merge"])
+    assert doc["syncer"]["merges"] == len(events(tmp_path, Merged))
     by_id = {ln["id"]: ln for ln in doc["learners"]}
     assert {ln["state"] for ln in by_id.values()} == {"left"} and not any(ln["ranks"] for ln in by_id.values())
     # l0's newest work was based on a version it held; it holds at most what the syncer has.
@@ -123,7 +125,7 @@ def test_status_obeys_the_syncers_curve_keys(procs: Procs, tmp_path: Path) -> No
         assert rc == 1 and doc is None, f"{name}: answered"
         assert "no answer from the syncer" in err and "within 2s" in err and "--key" in err, err
         assert "Traceback" not in err
-    assert any(e["event"] == "auth_denied" for e in events(tmp_path)), "the refused key was not logged"
+    assert events(tmp_path, AuthDenied), "the refused key was not logged"
     step = progress(tmp_path / "l0.progress")[0]
     wait_for(lambda: progress(tmp_path / "l0.progress")[0] >= step + 5, 30, "l0 to train on", (learner,))
 
@@ -160,7 +162,7 @@ def test_bad_status_requests_are_answered_and_the_asker_is_no_learner(tmp_path: 
         opt.close()
         svc.stop()
         server.join(20)
-    bad = [r for r in records if r["event"] == "bad_message"]
+    bad = of(records, BadMessage)
     assert len(bad) == 5, bad
     assert svc.status_requests >= 3
 

@@ -28,11 +28,13 @@ from rackmend.core import (
     Tick,
 )
 from rackmend.core.fragments import pack_fragments
-from rackmend.core.records import Dropped, Guarded, Merged, Rejected, SyncerRecord
+from rackmend.core.records import Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import LearnerSettings
+from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
 
 from helpers import make_model, serving
+from procs import of
 
 N = 4
 
@@ -459,7 +461,7 @@ def live():
     torch.set_num_threads(1)
     svc, records, thread = serving(CONFIG, heartbeat_timeout=60)
     end = time.monotonic() + 20
-    while not any(r["event"] == "listening" for r in records) and time.monotonic() < end:
+    while not of(records, Listening) and time.monotonic() < end:
         time.sleep(0.02)
     raw = Raw(svc.endpoint)
     yield svc, records, raw
@@ -468,7 +470,7 @@ def live():
     thread.join(20)
 
 
-def _wait(records: list[dict], pred, timeout: float = 10.0, start: int = 0) -> bool:  # type: ignore[no-untyped-def]
+def _wait(records: list[SyncerRecord], pred, timeout: float = 10.0, start: int = 0) -> bool:  # type: ignore[no-untyped-def]
     """Whether a record from index ``start`` on satisfies ``pred`` within ``timeout``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -483,21 +485,21 @@ def test_replayed_contribution_is_merged_once(live) -> None:  # type: ignore[no-
     raw.hello()
     frames = [bytes(f) for f in raw.contribution()]  # every element 0.01: each merge moves theta by -0.01
     raw.send(frames)
-    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"])
+    assert _wait(records, lambda r: isinstance(r, Merged) and "mallory" in r.merged)
     before = len(records)
     raw.send(frames)
     raw.send(frames)
-    _wait(records, lambda r: r["event"] == "reject" and "replay" in r["reason"], timeout=3.0, start=before + 1)
+    _wait(records, lambda r: isinstance(r, Rejected) and "replay" in r.reason, timeout=3.0, start=before + 1)
     # A fresh contribution closes the next round; replays still pending would ride along with it.
     raw.send(raw.contribution(base=svc.core.versions[0], step=8))
-    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"], start=before)
+    assert _wait(records, lambda r: isinstance(r, Merged) and "mallory" in r.merged, start=before)
     time.sleep(0.2)
     theta = svc.core.frags[0].theta[0]
     assert torch.allclose(theta, torch.full_like(theta, -0.02)), (
         f"two distinct contributions should move theta to -0.02, got {theta.flatten()[0].item():.4f}: "
         "a replay was merged too")
-    replays = [r for r in records if r["event"] == "reject" and "replay" in r["reason"]]
-    assert len(replays) == 2 and {r["code"] for r in replays} == {"replay"}
+    replays = [r for r in of(records, Rejected) if "replay" in r.reason]
+    assert len(replays) == 2 and {r.code for r in replays} == {"replay"}
 
 
 @pytest.mark.parametrize("field,value", [("c_tokens", 1e200), ("c_tokens", float(2**63 - 1)),
@@ -508,11 +510,11 @@ def test_out_of_bounds_counters_are_rejected_live(live, field: str, value: float
     raw.send(raw.contribution(**{field: value}))
     errors = raw.errors(5.0)
     assert errors and errors[0]["code"] == "rejected" and "bound" in errors[0]["reason"], errors
-    assert any(r["event"] == "reject" and "bound" in r["reason"] for r in records)
+    assert any("bound" in r.reason for r in of(records, Rejected))
     assert all(torch.isfinite(t).all() for t in svc.core.frags[0].theta)
     # A sane contribution after it still merges.
     raw.send(raw.contribution(base=svc.core.versions[0], step=8))
-    assert _wait(records, lambda r: r["event"] == "merge" and "mallory" in r["merged"])
+    assert _wait(records, lambda r: isinstance(r, Merged) and "mallory" in r.merged)
     assert all(torch.isfinite(t).all() for t in svc.core.frags[0].theta)
 
 
@@ -525,7 +527,7 @@ def test_learner_id_with_trailing_newline_is_refused(live, lid: str) -> None:  #
     raw.send(wire.hello_frames(lid, 0, 1, raw.frags, LearnerSettings.from_config(CONFIG)))
     errors = raw.errors(5.0)
     assert errors and errors[0]["code"] == "bad_message" and "learner id" in errors[0]["reason"], errors
-    assert not any(r["event"] == "join" and r["learner"] == lid for r in records)
+    assert not any(r.learner == lid for r in of(records, Joined))
 
 
 def test_learners_option_is_the_list_of_ids_that_may_join() -> None:
@@ -544,9 +546,9 @@ def test_learners_option_is_the_list_of_ids_that_may_join() -> None:
         member.close()
         svc.stop()
         thread.join(20)
-    refused = [r for r in records if r["event"] == "settings_refused"]
-    assert [(r["learner"], r["setting"]) for r in refused] == [("mallory", "learner_id")]
-    assert [r["learner"] for r in records if r["event"] == "join"] == ["l0"]
+    refused = of(records, SettingsRefused)
+    assert [(r.learner, r.setting) for r in refused] == [("mallory", "learner_id")]
+    assert [r.learner for r in of(records, Joined)] == ["l0"]
 
 
 def test_decode_header_matches_the_whole_id() -> None:
@@ -563,11 +565,11 @@ def test_leftover_checkpoint_temp_files_are_removed_at_start(tmp_path: Path) -> 
     keep.write_text("not ours")
     svc, records, thread = serving(CONFIG, checkpoint_dir=str(tmp_path))
     try:
-        assert _wait(records, lambda r: r["event"] == "listening")
+        assert _wait(records, lambda r: isinstance(r, Listening))
         assert not leftover.exists(), "an interrupted checkpoint write was left behind"
         assert keep.exists()
-        (removed,) = [r for r in records if r["event"] == "checkpoint_tmp_removed"]
-        assert removed["paths"] == [str(leftover)]
+        (removed,) = of(records, CheckpointTempsRemoved)
+        assert removed.paths == (str(leftover),)
     finally:
         svc.stop()
         thread.join(20)
@@ -631,7 +633,7 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
     version 2 and makes another version 3. A learner still holding the lost one (its
     link resends an unacknowledged contribution based on it) must not be merged as if
     based on the new one: refused by epoch, logged, and sent the current value."""
-    from procs import events
+    from procs import events as log_events
 
     flags = ("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--min-quorum", "1",
              "--grace-max", "0.05", "--overlap", "1")
@@ -646,12 +648,12 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
     s1.kill()
     s1.wait(10)
     _, endpoint2 = procs.syncer(*flags, "--resume", name="syncer2")
-    resumed = [e for e in events(tmp_path) if e["event"] == "resumed"][-1]
+    resumed = log_events(tmp_path, Resumed)[-1]
     b, a2 = Raw(endpoint2, "l1"), Raw(endpoint2, "l0")
     try:
         b.hello()
         assert b.epoch != lost_epoch
-        kept = resumed["versions"][0]
+        kept = resumed.versions[0]
         assert kept < 3, "the test needs version 3 of fragment 0 to be lost"
         v = kept
         while v < 3:  # the resumed run makes its own versions up to 3, with other values
@@ -659,16 +661,16 @@ def test_work_based_on_a_version_lost_in_a_crash_is_refused_and_the_learner_rese
             assert any(u["version"] == v + 1 for u in _updates(b, 0, 60.0, v + 1))
             v += 1
         a2.hello()
-        before = len(events(tmp_path))
+        before = len(log_events(tmp_path))
         a2.epoch = lost_epoch  # its resend of work based on the lost version 3
         a2.send(a2.contribution(base=3, step=16))
         errors = a2.errors(10.0)
         assert errors and errors[0]["code"] == "rejected" and "another syncer run" in errors[0]["reason"], errors
         resets = [u for u in _updates(a2, 0, 30.0, 3) if u["reset"]]
         assert resets and resets[0]["epoch"] == b.epoch and resets[0]["version"] == 3
-        later = events(tmp_path)[before:]
-        assert any(e["event"] == "reject" and e["learner"] == "l0" and "epoch" in e["reason"] for e in later)
-        assert not any(e["event"] == "merge" and "l0" in e["merged"] for e in later)
+        later = log_events(tmp_path)[before:]
+        assert any(e.learner == "l0" and "epoch" in e.reason for e in of(later, Rejected))
+        assert not any("l0" in e.merged for e in of(later, Merged))
     finally:
         b.close()
         a2.close()
@@ -702,9 +704,9 @@ def test_absurd_step_time_does_not_pin_live_rounds_at_grace_max(live) -> None:  
             for h in honest:
                 h.send(h.contribution(base=svc.core.versions[0], step=4 * (rnd + 1), step_time=0.001))
                 _updates(h, 0, 0.3)
-        merges = [r for r in records if r["event"] == "merge" and r["fragment"] == 0 and r["grace_s"] is not None]
+        merges = [r for r in of(records, Merged) if r.fragment == 0 and r.grace_s is not None]
         assert merges, "no merge"
-        assert max(r["grace_s"] for r in merges[1:] or merges) < 0.05, [r["grace_s"] for r in merges]
+        assert max(r.grace_s for r in merges[1:] or merges) < 0.05, [r.grace_s for r in merges]
     finally:
         for h in honest:
             h.close()

@@ -20,12 +20,15 @@ from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerCo
 from rackmend.codecs import make_codec
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
+from rackmend.core.records import Joined, Merged, Rejected
 from rackmend.core.settings import LearnerSettings
 from rackmend.service import ServiceConfig, SyncerService
+from rackmend.service.events import BadMessage, InternalError, Stopped, UnknownPeer
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import batch, make_inner, make_model
+from helpers import batch, make_inner, make_model, watch_log
+from procs import of
 
 MAX_BYTES = 1 << 20
 CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
@@ -36,9 +39,7 @@ class Rig:
     def __init__(self) -> None:
         self.svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", max_message_bytes=MAX_BYTES,
                                                        heartbeat_timeout=30, log_burst=10**9))
-        self.records: list[dict] = []
-        record = self.svc._record
-        self.svc._record = lambda r: (self.records.append(r), record(r))  # type: ignore[method-assign]
+        self.records = watch_log(self.svc)
         self.thread = threading.Thread(target=self.svc.serve, daemon=True)
         self.thread.start()
         self.stop = threading.Event()
@@ -86,7 +87,7 @@ class Rig:
         return errors
 
     def merges_of_l0(self) -> int:
-        return sum(1 for r in list(self.records) if r["event"] == "merge" and "l0" in r["merged"])
+        return sum(1 for r in of(list(self.records), Merged) if "l0" in r.merged)
 
     def close(self) -> None:
         self.stop.set()
@@ -210,7 +211,7 @@ def test_valid_contribution_is_accepted(rig: Rig) -> None:
     header = _contrib_header(base_version=rig.svc.core.versions[0], base_epoch=rig.svc.epoch)
     rig.send(wire.encode({**header, "tensors": wire._tensor_meta(tensors)}, tensors))
     assert rig.drain(0.5) == []
-    assert not [r for r in rig.records[before:] if r["event"] in ("reject", "bad_message") and r.get("learner") == "mallory"]
+    assert not [r for r in of(rig.records[before:], Rejected, BadMessage) if getattr(r, "learner", None) == "mallory"]
 
 
 def _bad_codec_message(rig: Rig, kind: str) -> list:
@@ -267,12 +268,12 @@ def test_valid_compressed_contribution_is_accepted(rig: Rig, codec: str) -> None
         if not (errors and "stale" in errors[0]["reason"]):
             break
     assert errors == []
-    assert not [r for r in rig.records[before:] if r["event"] in ("reject", "bad_message")]
+    assert not of(rig.records[before:], Rejected, BadMessage)
     end = time.monotonic() + 10
     while time.monotonic() < end:
-        merged = [r for r in rig.records[before:] if r["event"] == "merge" and "mallory" in r["merged"]]
+        merged = [r for r in of(rig.records[before:], Merged) if "mallory" in r.merged]
         if merged:
-            assert merged[0]["codecs"]["mallory"] == name
+            assert merged[0].codecs["mallory"] == name
             return
         time.sleep(0.05)
     raise AssertionError(f"a valid {codec} contribution was never merged")
@@ -298,8 +299,8 @@ def test_bad_compressed_contribution_is_rejected_and_logged(rig: Rig, kind: str,
         if not (errors and "stale" in errors[0]["reason"]):
             break
     assert errors and errors[0]["code"] == code and reason in errors[0]["reason"], errors
-    logged = [r for r in rig.records[before:] if r["event"] in ("bad_message", "reject")]
-    assert logged and reason in logged[0]["reason"]
+    logged = of(rig.records[before:], BadMessage, Rejected)
+    assert logged and reason in logged[0].reason
     end = time.monotonic() + 20
     while rig.merges_of_l0() <= merges_before and time.monotonic() < end:
         time.sleep(0.05)
@@ -319,7 +320,7 @@ def test_bad_input_is_rejected_and_logged(rig: Rig, case: tuple) -> None:
     errors = rig.drain(5.0)
     assert errors, f"no error reply for {case[0]}"
     assert errors[0]["code"] in ("bad_message", "rejected", "rejoin") and errors[0]["reason"]
-    logged = [r for r in rig.records[before:] if r["event"] in ("bad_message", "reject", "unknown_peer")]
+    logged = of(rig.records[before:], BadMessage, Rejected, UnknownPeer)
     assert logged, f"{case[0]} was not logged"
     assert rig.thread.is_alive()
 
@@ -356,7 +357,7 @@ def test_every_hello_field_mutated_is_refused_quickly_and_the_syncer_serves_on(r
             assert rig.thread.is_alive(), f"the syncer stopped after the hello mutated by {mutation}"
     finally:
         stranger.close()
-    assert not any(r["event"] == "join" and r["learner"] == "hz" for r in rig.records)
+    assert not any(r.learner == "hz" for r in of(rig.records, Joined))
     assert slowest < 2.0, f"a mutated hello took {slowest:.2f}s to refuse"
 
 
@@ -372,9 +373,7 @@ def test_a_message_whose_handling_raises_is_dropped_and_the_syncer_serves_on() -
             super()._handle(ident, msg)
 
     svc = Faulty(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
-    records: list[dict] = []
-    record = svc._record
-    svc._record = lambda r: (records.append(r), record(r))  # type: ignore[method-assign]
+    records = watch_log(svc)
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
     frags = pack_fragments(make_model(), 2, 4)
@@ -393,15 +392,15 @@ def test_a_message_whose_handling_raises_is_dropped_and_the_syncer_serves_on() -
             else:
                 assert header["type"] == "init_request", header  # the next learner is served as usual
             assert thread.is_alive()
-        errors = [r for r in records if r["event"] == "internal_error"]
-        assert len(errors) == 2 and "OverflowError" in errors[0]["reason"] and errors[0]["learner"] == "boom"
+        errors = of(records, InternalError)
+        assert len(errors) == 2 and "OverflowError" in errors[0].reason and errors[0].learner == "boom"
     finally:
         for sock in socks:
             sock.close()
         svc.stop()
         thread.join(20)
     assert not thread.is_alive()
-    assert any(r["event"] == "stopped" for r in records)
+    assert of(records, Stopped)
 
 
 def test_oversized_message_is_refused_and_service_keeps_serving(rig: Rig) -> None:
@@ -410,7 +409,7 @@ def test_oversized_message_is_refused_and_service_keeps_serving(rig: Rig) -> Non
     rig.send([wire.encode(_contrib_header())[0], b"\0" * (MAX_BYTES + 1024)])
     (error,) = rig.drain(5.0)
     assert "exceeds the limit" in error["reason"]
-    assert any("exceeds the limit" in r.get("reason", "") for r in rig.records[before:])
+    assert any("exceeds the limit" in r.reason for r in of(rig.records[before:], BadMessage))
     # Far beyond the limit ZeroMQ itself cuts the sender off; the syncer never sees it.
     rig.send([wire.encode(_contrib_header())[0], b"\0" * (3 * MAX_BYTES)])
     assert rig.drain(1.0) == []
@@ -423,11 +422,11 @@ def test_oversized_message_is_refused_and_service_keeps_serving(rig: Rig) -> Non
 
 def test_healthy_rounds_kept_completing_during_the_fuzz(rig: Rig) -> None:
     assert N_CASES >= 100, f"only {N_CASES} fuzz cases ran"
-    merges = [r for r in rig.records if r["event"] == "merge"]
-    assert len(merges) > 10 and all(m["merged"] for m in merges)
-    assert any("l0" in m["merged"] for m in merges[-5:])
+    merges = of(rig.records, Merged)
+    assert len(merges) > 10 and all(m.merged for m in merges)
+    assert any("l0" in m.merged for m in merges[-5:])
     print(f"fuzz cases run: {N_CASES}, rejections logged: "
-          f"{sum(1 for r in rig.records if r['event'] in ('bad_message', 'reject', 'unknown_peer'))}")
+          f"{len(of(rig.records, BadMessage, Rejected, UnknownPeer))}")
 
 
 def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]

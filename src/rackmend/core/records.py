@@ -58,6 +58,8 @@ __all__ = [
     "FAILSLOW_EVENTS",
     "WARNING_EVENTS",
     "from_record",
+    "record_of",
+    "event_classes",
 ]
 
 RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
@@ -131,6 +133,11 @@ class Joined(SyncerRecord):
     """The learner id."""
     expected: bool
     """Whether rounds wait for it (False: flagged fail-slow before a syncer restart)."""
+    rank: int | None = field(default=None, metadata=_OMIT_NONE)
+    """The rank whose hello this join answered; the core knows learners, not ranks, so
+    the service sets it (each rank of a multi-rank learner joins). None from the core."""
+    world: int | None = field(default=None, metadata=_OMIT_NONE)
+    """That learner's rank count, set with ``rank``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -495,9 +502,11 @@ def _typed(value: Any, hint: Any) -> Any:
     return value
 
 
-def _record_classes() -> dict[str, type[SyncerRecord]]:
+def event_classes(base: type[SyncerRecord]) -> dict[str, type[SyncerRecord]]:
+    """Every subclass of ``base`` (at any depth) that names its own ``event``, by event
+    name: what a reader of a log looks a line's class up in."""
     found: dict[str, type[SyncerRecord]] = {}
-    todo = list(SyncerRecord.__subclasses__())
+    todo = list(base.__subclasses__())
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
@@ -507,27 +516,40 @@ def _record_classes() -> dict[str, type[SyncerRecord]]:
     return found
 
 
-_BY_EVENT = _record_classes()
 _hints = functools.cache(get_type_hints)  # evaluating the string annotations costs more than a line
+
+
+def record_of(cls: type[SyncerRecord], line: Mapping[str, Any]) -> SyncerRecord:
+    """``line`` (a JSONL log line as a dict) read as a ``cls`` record: arrays become the
+    tuples its fields hold, keys it has no field for are left out. ValueError, naming the
+    event, when a field without a default is missing."""
+    hints = _hints(cls)
+    try:
+        return cls(**{f.name: _typed(line[f.name], hints[f.name]) for f in fields(cls) if f.name in line})
+    except TypeError as exc:
+        raise ValueError(f"a {line.get('event')!r} log line that is not a record of this version: {exc}") from None
+
+
+_BY_EVENT = event_classes(SyncerRecord)
 _RUNGS = {event: cls for cls, event in FAILSLOW_EVENTS.items()}
 
 
 def from_record(line: Mapping[str, Any]) -> SyncerRecord | None:
     """The typed record a JSONL log line of the syncer core came from (``to_record()``
     read back: ``from_record(json.loads(json.dumps(r.to_record()))) == r``); None for a
-    line the core does not write (the service's own events: ``checkpoint``,
-    ``bad_message``, ...). Keys a driver added to a core record (a ``join``'s ``rank``)
-    are left out. ValueError, naming the event, for a core event with missing fields."""
+    line the core does not write (the service's own events, which
+    ``rackmend.service.events.read_event`` reads). Keys a driver added that the record
+    has no field for are left out. ValueError, naming the event, for a core event with
+    missing fields."""
     event = line.get("event")
-    rung = _RUNGS.get(event) if isinstance(event, str) else None
-    try:
-        if rung is not None:
+    if not isinstance(event, str):
+        return None
+    rung = _RUNGS.get(event)
+    if rung is not None:
+        try:
             report = FailSlowReport(**{f.name: line[f.name] for f in fields(FailSlowReport) if f.name in line})
             return FailSlowNoted(t=line["t"], action=rung(report), reason=line["reason"])  # type: ignore[arg-type]
-        cls = _BY_EVENT.get(event) if isinstance(event, str) else None
-        if cls is None:
-            return None
-        hints = _hints(cls)
-        return cls(**{f.name: _typed(line[f.name], hints[f.name]) for f in fields(cls) if f.name in line})
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"a {event!r} log line that is not a record of this version: {exc}") from None
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a {event!r} log line that is not a record of this version: {exc}") from None
+    cls = _BY_EVENT.get(event)
+    return None if cls is None else record_of(cls, line)

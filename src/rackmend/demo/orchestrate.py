@@ -39,6 +39,7 @@ from rackmend.demo.spec import ArmSpec, RunSettings, config_to_dict
 from rackmend.demo.worker import GO_FILE, metrics_path
 from rackmend.netem import LinkEmulator
 from rackmend.service.checkpoint import CHECKPOINT_NAME
+from rackmend.service.events import CheckpointWritten, read_event
 from rackmend.workloads import GPT, ByteCorpus, evaluate
 
 __all__ = ["ArmRun", "LearnerStats", "run_arm", "syncer_flags", "Progress"]
@@ -407,20 +408,21 @@ def _collect(arm: _Arm, spec: ArmSpec, s: RunSettings, t0: float, wall: float,
             compute_s=sum(r["compute"] for r in recs), sync_s=sum(r["sync"] for r in recs),
             blocked_s=sum(r["blocked"] for r in recs), lives=arm.joined[i], fault=", ".join(fault),
             step_times=[r["compute"] + r["sync"] for r in recs]))
-    events = _relative(arm.syncer_events, t0) + _relative(arm.events, t0)
+    syncer_lines = _relative(arm.syncer_events, t0)
+    events = syncer_lines + _relative(arm.events, t0)
     events.sort(key=lambda e: e.get("t", 0.0))
     link_stats = {}
     for name, st in links.items():
         started = next(link.started_at for link in arm.links if link.name == name)
         link_stats[name] = {"bytes_up": st["bytes_up"], "bytes_down": st["bytes_down"],
                             "timeline": [(t + started - t0, up, down) for t, up, down in st["timeline"]]}
-    points = _evaluate(arm, s, t0, steps, events)
+    points = _evaluate(arm, s, t0, steps, [read_event(line) for line in syncer_lines])
     return ArmRun(name=spec.name, description=spec.description, wall_s=wall, learners=learners,
                   points=points, steps=steps, events=events, links=link_stats)
 
 
 def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[str, Any]]],
-              events: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
+              records: list[SyncerRecord]) -> list[tuple[int, float, float]]:
     """Held-out loss of every kept snapshot (and of the start), at the tokens trained
     on when the syncer wrote it."""
     from safetensors import safe_open
@@ -443,7 +445,7 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
         k = bisect.bisect_right(times, t)
         return cumulative[k - 1] if k else 0
 
-    written = {tuple(e["versions"]): e["t"] for e in reversed(events) if e.get("event") == "checkpoint"}
+    written = {r.versions: r.t for r in reversed(records) if isinstance(r, CheckpointWritten)}
     if arm.spec.config is None:
         finals = [Path(d["model"]) for recs in arm.done.values() for d in recs[-1:] if "model" in d]
         if finals:

@@ -25,6 +25,7 @@ from rackmend.core.pieces import Piece, RankPieces, whole_pieces
 from rackmend.core.records import Incomplete, PieceDropped, SyncerRecord
 from rackmend.core.settings import LearnerSettings
 from rackmend.core.shards import Shard
+from rackmend.service.events import BadMessage
 from rackmend.service.membership import Peer, Refuse
 from rackmend.service.metrics import SyncerMetrics
 from rackmend.transport import wire
@@ -57,7 +58,7 @@ class PieceAssembly:
         if c.pieces != peer.pieces[p]:
             reason = (f"learner {c.learner_id} rank {c.rank} sent pieces {list(c.pieces)[:4]} of fragment {p}, "
                       f"but declared {list(peer.pieces[p])[:4]} at hello")
-            self._refuse(ident, "bad_message", "rejected", reason)
+            self._refuse(ident, BadMessage, "rejected", reason)
             return None
         if self._assembler is None:
             self._assembler = Assembler(fragments)

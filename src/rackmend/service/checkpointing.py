@@ -24,6 +24,7 @@ from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.syncer import SyncerCore
 from rackmend.core.syncer_fragment import global_values
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.events import CheckpointWritten
 from rackmend.service.metrics import SyncerMetrics
 
 __all__ = ["Checkpoints", "Saved"]
@@ -75,7 +76,8 @@ class Checkpoints:
         path = save_checkpoint(self.directory, tensors, meta)
         self.at = self.clock()
         self.metrics.checkpointed(self.at)
-        self._event("checkpoint", path=str(path), versions=list(core.versions), **self.shard_field())
+        self._event(CheckpointWritten, path=str(path), versions=tuple(core.versions),
+                    shard=self.shard_name())
         return path
 
     def load(self) -> Saved:
@@ -102,6 +104,7 @@ class Checkpoints:
                      tensors=tensors, meta=meta, merges=int(meta.get("merges", 0)),
                      rejected_messages=int(meta.get("rejected_messages", 0)))
 
-    def shard_field(self) -> dict[str, str]:
-        """For records that list every fragment's version: which fragments (a shard's, from 0)."""
-        return {} if self.shard.whole else {"shard": str(self.shard)}
+    def shard_name(self) -> str | None:
+        """For records that list every fragment's version, which fragments: ``s/S`` for a
+        shard (its fragments, from 0), None for the whole model."""
+        return None if self.shard.whole else str(self.shard)

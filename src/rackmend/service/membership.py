@@ -31,6 +31,15 @@ from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pie
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.shards import Shard
 from rackmend.service.config import ServiceConfig, layout_message_limit
+from rackmend.service.events import (
+    AuthDenied,
+    Gated,
+    IdentityRefused,
+    SettingsRefused,
+    Silent,
+    TakenOver,
+    UplinkCodecDiffers,
+)
 from rackmend.service.identity import load_key_ids
 from rackmend.transport import wire
 
@@ -39,8 +48,9 @@ __all__ = ["Peer", "Membership", "setup_curve"]
 log = logging.getLogger("rackmend.syncer")
 
 Refuse = Callable[..., None]
-"""``refuse(ident, event, code, reason, **fields)``: count a refused message, log it
-(rate-limited) as ``event`` and answer the connection with error ``code``."""
+"""``refuse(ident, kind, code, reason, **fields)``: count a refused message, log it
+(rate-limited) as a ``kind`` event (``rackmend.service.events``) and answer the
+connection with error ``code``."""
 
 
 @dataclass
@@ -122,7 +132,7 @@ class Membership:
         reason = (f"the Curve key {key[:8]}... may speak as {sorted(allowed)} only, not as {lid!r}; give this "
                   f"learner its own key, or list {lid!r} in the key file's 'learners' metadata "
                   "(rackmend keygen --learners)")
-        self._refuse(ident, "auth_denied", "fatal" if msg.type == "hello" else "denied", reason, learner=lid,
+        self._refuse(ident, AuthDenied, "fatal" if msg.type == "hello" else "denied", reason, learner=lid,
                      type=msg.type, key=key)
         return False
 
@@ -150,7 +160,7 @@ class Membership:
             # socket could park any number of ids in every round's membership.
             reason = (f"this connection holds learner {held.learner_id} rank {held.rank}; a hello as "
                       f"{msg.header['learner']} rank {msg.header['rank']} needs a connection of its own")
-            self._refuse(ident, "identity_refused", "fatal", reason, learner=msg.header["learner"],
+            self._refuse(ident, IdentityRefused, "fatal", reason, learner=msg.header["learner"],
                          rank=msg.header["rank"], type="hello")
             return None
         hello = wire.parse_hello(msg)
@@ -159,7 +169,7 @@ class Membership:
         if worlds and worlds != {hello.world}:
             reason = (f"learner {lid} is connected with {worlds.pop()} ranks; a hello as its rank {rank} of "
                       f"{hello.world} does not fit (every rank of one learner declares the same world size)")
-            self._refuse(ident, "identity_refused", "busy", reason, learner=lid, rank=rank, type="hello")
+            self._refuse(ident, IdentityRefused, "busy", reason, learner=lid, rank=rank, type="hello")
             return None
         if not self.settings_agree(ident, hello, first=first, layout=layout, zmq_cap=zmq_cap):
             return None
@@ -177,7 +187,7 @@ class Membership:
         reason = (f"learner {lid} rank {rank} is live on another connection (heard {silent:.1f}s ago); a new "
                   f"connection takes it over only after {self.service.takeover_after:g}s of silence "
                   "(--takeover-after). Two learners with one id? Give each its own --id")
-        self._refuse(ident, "identity_refused", "busy", reason, learner=lid, rank=rank, type="hello")
+        self._refuse(ident, IdentityRefused, "busy", reason, learner=lid, rank=rank, type="hello")
         return False
 
     def settings_agree(self, ident: bytes, hello: wire.Hello, *, first: tuple[str, LearnerSettings] | None,
@@ -228,7 +238,7 @@ class Membership:
                 f"learner {lid} rank {hello.rank} declares pieces that cannot be: {problem}. Each rank declares the "
                 "blocks it owns of each tensor, inside the tensor's global shape"))
         if mismatch is not None:
-            self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting=mismatch.setting,
+            self._peer_event(ident, SettingsRefused, learner=lid, rank=hello.rank, setting=mismatch.setting,
                              learner_value=mismatch.learner_value, syncer_value=mismatch.other_value,
                              reason=mismatch.reason)
             log.warning("refused learner %s: %s", lid, mismatch.reason)
@@ -238,7 +248,7 @@ class Membership:
         if lid not in self._uplink_noted and not same_codec(s.uplink, syncer_uplink):
             # Allowed (each message names its codec), but worth a line: the two may be meant to agree.
             self._uplink_noted.add(lid)
-            self._event("uplink_codec_differs", learner=lid, learner_codec=s.uplink, syncer_codec=syncer_uplink)
+            self._event(UplinkCodecDiffers, learner=lid, learner_codec=s.uplink, syncer_codec=syncer_uplink)
             log.info("learner %s sends uplink codec %r; this syncer was started with --uplink-codec %r "
                      "(accepted: messages name their codec)", lid, s.uplink, syncer_uplink)
         return True
@@ -262,7 +272,7 @@ class Membership:
         connected = {p.rank: p.pieces for p in self.peers.values() if p.learner_id == lid and p.rank not in ranks}
         ranks.update(connected)
         if len(ranks) < hello.world:
-            self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(ranks), world=hello.world)
+            self._event(Gated, learner=lid, rank=hello.rank, ranks=tuple(sorted(ranks)), world=hello.world)
             return []
         problem = cover_problem(self.shard.fragments(hello.layout), [ranks[r] for r in range(hello.world)])
         if problem is not None and connected:
@@ -271,8 +281,8 @@ class Membership:
             # hello: wait for their hellos rather than refuse the new run for pieces its
             # predecessor declared. A new hello of every rank is then checked by itself.
             reason = f"with the pieces ranks {sorted(connected)} declared when they connected: {problem}"
-            self._event("gate", learner=lid, rank=hello.rank, ranks=sorted(r for r in ranks if r not in connected),
-                        world=hello.world, waiting_for=sorted(connected), reason=reason)
+            self._event(Gated, learner=lid, rank=hello.rank, ranks=tuple(sorted(r for r in ranks if r not in connected)),
+                        world=hello.world, waiting_for=tuple(sorted(connected)), reason=reason)
             log.info("learner %s: rank %d waits for ranks %s to say hello again (a relaunch sharded another way?) "
                      "before its pieces are checked; %s", lid, hello.rank, sorted(connected), reason)
             return []
@@ -280,7 +290,7 @@ class Membership:
             reason = (f"learner {lid}'s ranks do not share its tensors out exactly: {problem}. Each rank must "
                       "declare the blocks it holds of each DTensor (rackmend.learner.pieces does this from the "
                       "placements); are all ranks running the same model and sharding?")
-            self._peer_event(ident, "settings_refused", learner=lid, rank=hello.rank, setting="pieces",
+            self._peer_event(ident, SettingsRefused, learner=lid, rank=hello.rank, setting="pieces",
                              learner_value=None, syncer_value=None, reason=reason)
             log.warning("refused learner %s: %s", lid, reason)
             # Every rank is in the gate (no other rank is connected); a rank that said hello
@@ -311,7 +321,7 @@ class Membership:
         holder = self.holder(ident, lid, rank)
         if holder is not None:
             del self.peers[holder[0]]
-            self._event("takeover", learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
+            self._event(TakenOver, learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
                         silent_s=round(self.clock() - holder[1].last_seen, 3))
 
     def join(self, ident: bytes, hello: wire.Hello, fragments: list[FragmentSpec]) -> Peer:
@@ -328,7 +338,7 @@ class Membership:
         for ident, peer in list(self.peers.items()):
             if now - peer.last_seen > self.service.heartbeat_timeout:
                 del self.peers[ident]
-                self._event("silent", learner=peer.learner_id, rank=peer.rank,
+                self._event(Silent, learner=peer.learner_id, rank=peer.rank,
                             seconds=round(now - peer.last_seen, 3))
                 if not self.ranks_of(peer.learner_id):
                     gone(peer.learner_id)

@@ -65,6 +65,25 @@ from rackmend.service.checkpoint import remove_stale_temps
 from rackmend.service.checkpointing import Checkpoints
 from rackmend.service.config import (AUTO_ZMQ_CAP, LOG_WINDOW_S, STRANGER_MAX_BYTES, ServiceConfig,
                                      layout_message_limit)
+from rackmend.service.events import (
+    AuthDenied,
+    BadMessage,
+    CheckpointTempsRemoved,
+    Fetched,
+    IdentityRefused,
+    Initialised,
+    InitRequested,
+    InitTimedOut,
+    InternalError,
+    Listening,
+    MessageLimit,
+    Resumed,
+    SendDropped,
+    ServiceEvent,
+    Stopped,
+    Suppressed,
+    UnknownPeer,
+)
 from rackmend.service.identity import EventLimiter
 from rackmend.service.membership import Membership, Peer, setup_curve
 from rackmend.service.metrics import SyncerMetrics
@@ -77,19 +96,6 @@ from rackmend.transport.outbox import SHORT_HWM, Outbox
 __all__ = ["ServiceConfig", "SyncerService"]
 
 log = logging.getLogger("rackmend.syncer")
-
-_SERVICE_LOG: dict[str, tuple[int, str]] = {
-    "auth_denied": (logging.WARNING, "auth denied: "),
-    "identity_refused": (logging.WARNING, ""),
-    "takeover": (logging.WARNING, ""),
-    "bad_message": (logging.INFO, ""),
-    "unknown_peer": (logging.INFO, ""),
-    "silent": (logging.INFO, ""),
-    "suppressed": (logging.INFO, ""),
-}
-"""How loud the service's own records are in the Python log (level, and a prefix for a
-warning's reason); others go to the JSONL log only. The core's records carry their
-level (``SyncerRecord.level``)."""
 
 MAX_QUEUED_REPLIES = 16
 """Error and receipt replies held per connection that reads none of them; more are
@@ -210,10 +216,10 @@ class SyncerService:
         if self.service.checkpoint_dir:
             removed = remove_stale_temps(self.service.checkpoint_dir)
             if removed:
-                self._event("checkpoint_tmp_removed", paths=[str(p) for p in removed])
+                self._event(CheckpointTempsRemoved, paths=tuple(str(p) for p in removed))
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
-        self._event("listening", endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch,
+        self._event(Listening, endpoint=self.endpoint, resumed=self.core is not None, epoch=self.epoch,
                     metrics=self.metrics_url)
         if self.service.ready_file:
             tmp = Path(self.service.ready_file + ".tmp")
@@ -274,7 +280,7 @@ class SyncerService:
                 self._localize(msg)
             self._handle(ident, msg)
         except wire.WireError as exc:
-            self._refuse(ident, "bad_message", "bad_message", str(exc))
+            self._refuse(ident, BadMessage, "bad_message", str(exc))
         except Exception as exc:  # noqa: BLE001 - one message must never end the service for everyone
             # A fault that validation missed: drop this message, keep serving. The state
             # it reached is whatever the handler had done before raising (each handler
@@ -283,7 +289,7 @@ class SyncerService:
             kind = msg.type if msg is not None else "?"
             lid = str(msg.header.get("learner", "")) if msg is not None else ""
             reason = f"internal error handling a {kind} message: {type(exc).__name__}: {str(exc)[:300]}"
-            if self._peer_event(ident, "internal_error", peer=ident.hex(), learner=lid, type=kind, reason=reason):
+            if self._peer_event(ident, InternalError, learner=lid, type=kind, reason=reason):
                 log.exception("%s from peer %s (learner %r); message dropped, serving on", reason, ident.hex(), lid)
             self._reply_error(ident, "rejected", reason)
         finally:
@@ -344,11 +350,11 @@ class SyncerService:
                 # heartbeat or leave naming it from anywhere else is someone else's.
                 reason = (f"learner {lid} rank {rank} is held by another connection; a {msg.type} naming it is "
                           "accepted from that connection only")
-                self._refuse(ident, "identity_refused", "rejoin", reason, learner=lid, rank=rank, type=msg.type)
+                self._refuse(ident, IdentityRefused, "rejoin", reason, learner=lid, rank=rank, type=msg.type)
                 return
             # Unknown to this syncer (it restarted, or the learner was declared silent).
             self.rejected_messages += 1
-            self._peer_event(ident, "unknown_peer", peer=ident.hex(), learner=lid, type=msg.type)
+            self._peer_event(ident, UnknownPeer, learner=lid, type=msg.type)
             self._reply_error(ident, "rejoin", "send hello first")
             return
         peer.last_seen = self.clock()
@@ -420,7 +426,7 @@ class SyncerService:
                 self._layout = layout
                 pend = self._pending = PendingInit(self.shard.fragments(layout), {ident: self.members.declared(hello)},
                                                    lid, hello.settings, self.clock())
-                self._event("init_request", learner=lid, fragments=len(pend.layout))
+                self._event(InitRequested, learner=lid, fragments=len(pend.layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
             elif pend.seeder_id == lid and hello.pieces is not None and ident not in pend.seeders:
                 # A sharded seeder: each of its ranks sends the pieces it owns.
@@ -451,7 +457,7 @@ class SyncerService:
             return
         others = [(i, m) for i, m in pend.waiting if i not in pend.seeders]
         nxt = others[0][1].header["learner"] if others else None
-        self._event("init_timeout", learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
+        self._event(InitTimedOut, learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
                     received=len(pend.values), next=nxt)
         log.warning("learner %s sent no initial value for %.0fs (--init-timeout); %s", pend.seeder_id,
                     self.clock() - pend.asked_at,
@@ -465,7 +471,7 @@ class SyncerService:
                    if h.learner_id == hello.learner_id and (i == others[0][0] or h.pieces is not None)}
         self._pending = PendingInit(pend.layout, seeders, hello.learner_id, hello.settings, self.clock(),
                                     waiting=others)
-        self._event("init_request", learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
+        self._event(InitRequested, learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
         for ident in seeders:
             self._send(ident, wire.encode({"type": "init_request"}))
 
@@ -477,7 +483,7 @@ class SyncerService:
         if not peer.owns(p):
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.frags[p].current
-        self._event("fetch", learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
+        self._event(Fetched, learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
                     version=upd.version)
         self._send_update(ident, upd, self._update_frames(peer, upd, full=True))
 
@@ -495,7 +501,7 @@ class SyncerService:
                 for waiting_ident, _ in pend.waiting:
                     self._send(waiting_ident, wire.encode({"type": "error", "code": "fatal", "reason": str(exc)}))
                 raise wire.WireError(f"cannot start on this model: {exc}") from None
-            self._event("initialised", learner=msg.header["learner"])
+            self._event(Initialised, learner=msg.header["learner"])
             self._first = (pend.seeder_id, pend.settings)
             self._pending = None
             for waiting_ident, hello in pend.waiting:
@@ -524,7 +530,7 @@ class SyncerService:
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
-            self._event("message_limit", bytes=limit, max_message_mb=math.ceil(limit / 2**20),
+            self._event(MessageLimit, bytes=limit, max_message_mb=math.ceil(limit / 2**20),
                         zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
     def _drive(self, event: Event, ident: bytes | None = None, join: tuple[int, int] | None = None) -> list[Action]:
@@ -579,9 +585,7 @@ class SyncerService:
             # in 'suppressed'.
             if self._limiter.allow(("join", cause), now, peer=cause.hex()):
                 rank, world = self._join
-                line = {**record.to_record(), "rank": rank, "world": world}
-                self._say(line, record.level)
-                self._record(line)
+                self._log_record(dataclasses.replace(record, rank=rank, world=world))
             return
         if isinstance(record, Rejected):
             logged = self._limiter.allow(("reject", record.learner), now, learner=record.learner)
@@ -650,20 +654,21 @@ class SyncerService:
     def _reply_error(self, ident: bytes, code: str, reason: str) -> None:
         self._send(ident, wire.encode({"type": "error", "code": code, "reason": reason}), droppable=True)
 
-    def _refuse(self, ident: bytes, event: str, code: str, reason: str, **fields: Any) -> None:
-        """Refuse a message from ``ident``: counted in ``rejected_messages``, logged as
-        ``event`` (``_peer_event``: the connection, ``fields``, the reason) and answered
-        with an error ``code`` giving the reason."""
+    def _refuse(self, ident: bytes, kind: type[ServiceEvent], code: str, reason: str, **fields: Any) -> None:
+        """Refuse a message from ``ident``: counted in ``rejected_messages``, logged as a
+        ``kind`` event (``_peer_event``: ``fields`` and the reason) and answered with an
+        error ``code`` giving the reason."""
         self.rejected_messages += 1
-        self._peer_event(ident, event, peer=ident.hex(), **fields, reason=reason)
+        self._peer_event(ident, kind, **fields, reason=reason)
         self._reply_error(ident, code, reason)
 
-    def _peer_event(self, ident: bytes, event: str, **fields: Any) -> bool:
-        """A record of bad input from one connection, rate-limited per connection and kind
-        (counted in the metrics, by ``event``, whether logged or not). Whether it was logged."""
-        self.metrics.refusal(event)
-        if self._limiter.allow((event, ident), self.clock(), peer=ident.hex()):
-            self._event(event, **fields)
+    def _peer_event(self, ident: bytes, kind: type[ServiceEvent], **fields: Any) -> bool:
+        """A ``kind`` event of bad input from connection ``ident`` (its ``peer``), rate-limited
+        per connection and kind (counted in the metrics, by event, whether logged or not).
+        Whether it was logged."""
+        self.metrics.refusal(kind.event)
+        if self._limiter.allow((kind.event, ident), self.clock(), peer=ident.hex()):
+            self._event(kind, peer=ident.hex(), **fields)
             return True
         return False
 
@@ -672,13 +677,13 @@ class SyncerService:
         unknown key retries every reconnect interval, and a stranger can mint keys at
         will, so refusals share one rate limit, with a count of those left out (all are
         counted in the metrics)."""
-        self.metrics.refusal("auth_denied")
-        if self._limiter.allow(("auth_denied",), self.clock()):
-            self._event("auth_denied", reason=text)
+        self.metrics.refusal(AuthDenied.event)
+        if self._limiter.allow((AuthDenied.event,), self.clock()):
+            self._event(AuthDenied, reason=text)
 
     def _summarise_suppressed(self, expired: list[tuple[Any, int, dict[str, Any]]]) -> None:
         for key, count, fields in expired:
-            self._event("suppressed", of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
+            self._event(Suppressed, of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
 
     def _send_update(self, ident: bytes, upd: Any, frames: list[Any], reset: bool = False) -> None:
         """A fragment's new value; replaces one of the same fragment still waiting. The
@@ -713,7 +718,7 @@ class SyncerService:
         try:
             done = box.flush(send)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; its messages have nowhere to go
-            self._event("send_dropped", peer=ident.hex(), reason=exc.strerror)
+            self._event(SendDropped, peer=ident.hex(), reason=exc.strerror)
             del self._outboxes[ident]
             return
         if done and ident not in self.peers:  # gone: nothing it has not acknowledged matters now
@@ -764,7 +769,7 @@ class SyncerService:
         self.tracker.versions_to_metrics(self.core)
         self.merges = saved.merges
         self.rejected_messages = saved.rejected_messages
-        self._event("resumed", versions=list(self.core.versions), **self.checkpoints.shard_field())
+        self._event(Resumed, versions=tuple(self.core.versions), shard=self.checkpoints.shard_name())
 
     def _shutdown(self) -> None:
         try:
@@ -777,7 +782,7 @@ class SyncerService:
             self.checkpoint()
         finally:
             self._summarise_suppressed(self._limiter.flush())
-            self._event("stopped", merges=self.merges, rejected_messages=self.rejected_messages,
+            self._event(Stopped, merges=self.merges, rejected_messages=self.rejected_messages,
                         replies_dropped=self.replies_dropped, log_suppressed=self._limiter.suppressed_total,
                         queued_replies_max=self.queued_replies_max)
             self.sock.close(linger=500)
@@ -789,16 +794,15 @@ class SyncerService:
                     self._log_file.close()
                     self._log_file = None
 
-    def _event(self, event: str, **fields: Any) -> None:
-        """One of the service's own records (the core's are ``SyncerRecord``s)."""
-        record = {"event": event, "t": self.clock(), **fields}
-        self._say(record, *_SERVICE_LOG.get(event, (logging.NOTSET, "")))
-        self._record(record)
+    def _event(self, kind: type[ServiceEvent], **fields: Any) -> None:
+        """Log one of the service's own events, now."""
+        self._log_record(kind(t=self.clock(), **fields))
 
     def _log_record(self, record: SyncerRecord) -> None:
-        """One of the core's records (its fragment already in the model's numbering)."""
+        """Log a record: the core's (its fragment already in the model's numbering) or the
+        service's own (``rackmend.service.events``)."""
         line = record.to_record()
-        self._say(line, record.level)
+        self._say(line, record.level, record.log_prefix if isinstance(record, ServiceEvent) else "")
         self._record(line)
 
     @staticmethod
