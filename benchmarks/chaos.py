@@ -78,8 +78,10 @@ from safetensors import safe_open
 
 from _common import finish, parser
 from rackmend.core.fragments import layout_from_wire
+from rackmend.core.records import Dropped, Guarded, Merged, Rejected, SyncerRecord
 from rackmend.core.syncer_fragment import global_values
 from rackmend.service.checkpoint import load_checkpoint
+from rackmend.service.events import CheckpointWritten, Listening, Resumed, read_event
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -238,7 +240,7 @@ class LogTail:
         self.rest = b""
         self.torn = 0
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[SyncerRecord]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -253,12 +255,14 @@ class LogTail:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                out.append(read_event(json.loads(line)))
+            except (json.JSONDecodeError, ValueError):
+                # A syncer killed mid-write leaves a line cut short, which the next one's
+                # first line is appended to: read the complete pieces, count the rest.
                 for piece in re.split(rb'(?<=\})(?=\{"event")', line):
                     try:
-                        out.append(json.loads(piece))
-                    except json.JSONDecodeError:
+                        out.append(read_event(json.loads(piece)))
+                    except (json.JSONDecodeError, ValueError):
                         self.torn += 1
         return out
 
@@ -292,37 +296,36 @@ class Checker:
         self.epochs: set[int] = set()
         self.guards: list[tuple[float, str]] = []
 
-    def feed(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("event", "?")
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        if kind == "resumed":
-            self.pending_resume = list(ev["versions"])
-        elif kind == "listening":
+    def feed(self, ev: SyncerRecord) -> None:
+        self.counts[ev.event] = self.counts.get(ev.event, 0) + 1
+        if isinstance(ev, Resumed):
+            self.pending_resume = list(ev.versions)
+        elif isinstance(ev, Listening):
             self._listening(ev)
-        elif kind == "merge":
+        elif isinstance(ev, Merged):
             self._merge(ev)
-        elif kind == "checkpoint":
+        elif isinstance(ev, CheckpointWritten):
             cur = self.current
-            if cur is not None and cur.last and list(ev["versions"]) != cur.last:
-                self.violate("checkpoint_versions", f"checkpoint at t={ev['t']:.2f} names versions "
-                             f"{ev['versions']}, the log merged {cur.last} (epoch {cur.epoch})")
-            self.last_checkpoint = list(ev["versions"])
-        elif kind == "guard":
-            self.guards.append((float(ev["t"]), str(ev.get("learner"))))
-        elif kind in ("reject", "merge_dropped"):
-            reason = str(ev.get("reason") or "").strip()
+            if cur is not None and cur.last and list(ev.versions) != cur.last:
+                self.violate("checkpoint_versions", f"checkpoint at t={ev.t:.2f} names versions "
+                             f"{list(ev.versions)}, the log merged {cur.last} (epoch {cur.epoch})")
+            self.last_checkpoint = list(ev.versions)
+        elif isinstance(ev, Guarded):
+            self.guards.append((ev.t, ev.learner))
+        elif isinstance(ev, (Rejected, Dropped)):
+            reason = ev.reason.strip()
             if not reason:
-                self.violate("no_reason", f"{kind} without a reason: {ev}")
+                self.violate("no_reason", f"{ev.event} without a reason: {ev}")
             key = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", reason.split(":")[0])[:60]
             self.rejects[key] = self.rejects.get(key, 0) + 1
 
-    def _listening(self, ev: dict[str, Any]) -> None:
-        epoch = int(ev["epoch"])
+    def _listening(self, ev: Listening) -> None:
+        epoch = ev.epoch
         if epoch in self.epochs:
             self.violate("epoch_reused", f"epoch {epoch} drawn by two syncer starts")
         self.epochs.add(epoch)
         prev = self.current
-        resumed = self.pending_resume if ev.get("resumed") else None
+        resumed = self.pending_resume if ev.resumed else None
         self.pending_resume = None
         if resumed is not None and prev is not None:
             floor = self.last_checkpoint or [0] * len(resumed)
@@ -338,30 +341,30 @@ class Checker:
             if resumed != floor:
                 self.unlogged_checkpoints += 1  # killed between the checkpoint's rename and its log line
         elif resumed is None and prev is not None:
-            self.violate("fresh_restart", f"a syncer started without resuming at t={ev['t']:.2f}")
-        inc = Incarnation(epoch, float(ev["t"]), resumed, list(resumed) if resumed is not None else [0] * P)
+            self.violate("fresh_restart", f"a syncer started without resuming at t={ev.t:.2f}")
+        inc = Incarnation(epoch, ev.t, resumed, list(resumed) if resumed is not None else [0] * P)
         self.incarnations.append(inc)
         self.current = inc
 
-    def _merge(self, ev: dict[str, Any]) -> None:
+    def _merge(self, ev: Merged) -> None:
         cur = self.current
         if cur is None:
             self.violate("merge_before_listening", f"{ev}")
             return
-        p, v = int(ev["fragment"]), int(ev["version"])
+        p, v = ev.fragment, ev.version
         while len(cur.last) <= p:
             cur.last.append(0)
         if v != cur.last[p] + 1:
             self.violate("version_not_monotonic", f"epoch {cur.epoch} fragment {p}: merge made version {v} "
-                         f"after {cur.last[p]} (t={ev['t']:.2f})")
+                         f"after {cur.last[p]} (t={ev.t:.2f})")
         cur.last[p] = v
         cur.merges += 1
-        wait = float(ev.get("wait_s") or 0.0)
+        wait = ev.wait_s
         self.max_wait = max(self.max_wait, wait)
         if wait > GRACE_MAX + WAIT_SLACK_S:
             self.violate("wait_bound", f"fragment {p} version {v}: the round waited {wait:.2f}s > grace_max "
-                         f"{GRACE_MAX} + {WAIT_SLACK_S} s (t={ev['t']:.2f})")
-        self.merges.append((float(ev["t"]), p, list(ev.get("merged", [])), wait))
+                         f"{GRACE_MAX} + {WAIT_SLACK_S} s (t={ev.t:.2f})")
+        self.merges.append((ev.t, p, list(ev.merged), wait))
 
 
 # ------------------------------------------------------------------ the run

@@ -34,7 +34,6 @@ The test suite runs a slice (``run``, a few thousand messages) in tests/test_wir
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import random
@@ -52,8 +51,10 @@ import torch
 import zmq
 
 from rackmend.core.fragments import fingerprint, layout_from_wire, pack_fragments
+from rackmend.core.records import Joined, Left, Merged, SyncerRecord
 from rackmend.core.settings import LearnerSettings
 from rackmend.core.syncer_fragment import global_values
+from rackmend.service.events import Fetched, Stopped, TakenOver, read_log
 from rackmend.transport import wire
 
 H, P, TAU = 4, 2, 1
@@ -384,12 +385,8 @@ class Fuzzer:
 
 
 # ---------------------------------------------------------------- the run
-def _events(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def _merges_of(ev: list[dict], lid: str, t0: float, t1: float) -> int:
-    return sum(1 for e in ev if e["event"] == "merge" and lid in e["merged"] and t0 <= e["t"] < t1)
+def _merges_of(ev: list[SyncerRecord], lid: str, t0: float, t1: float) -> int:
+    return sum(1 for e in ev if isinstance(e, Merged) and lid in e.merged and t0 <= e.t < t1)
 
 
 def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | None = None,
@@ -414,14 +411,14 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
         learner = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--learner", endpoint, str(stop)],
                                    stdout=open(tmp / "learner.out", "wb"), stderr=subprocess.STDOUT, env=env)
         end = time.monotonic() + 60
-        while not any(e["event"] == "merge" and LEARNER in e["merged"] for e in _events(log)):
+        while not any(isinstance(e, Merged) and LEARNER in e.merged for e in read_log(log)):
             if learner.poll() is not None or time.monotonic() > end:
                 raise RuntimeError(f"the learner never merged: {(tmp / 'learner.out').read_text()[-2000:]}")
             time.sleep(0.05)
-        t_warm = max(e["t"] for e in _events(log))
+        t_warm = max(e.t for e in read_log(log))
         time.sleep(warmup_s)
         fuzzer = Fuzzer(endpoint, seed)
-        t_start = max(e["t"] for e in _events(log))
+        t_start = max(e.t for e in read_log(log))
         wall = time.monotonic()
         for i in range(messages):
             fuzzer.step()
@@ -430,7 +427,7 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
             if progress and (i + 1) % 5000 == 0:
                 print(f"  {i + 1} messages, {time.monotonic() - wall:.0f}s, {fuzzer.stats}", flush=True)
         fuzz_s = time.monotonic() - wall
-        t_end = max(e["t"] for e in _events(log))
+        t_end = max(e.t for e in read_log(log))
         crashed_syncer = syncer.poll() is not None
         crashed_learner = learner.poll() is not None
         stop.touch()
@@ -445,16 +442,16 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    ev = _events(log)
+    ev = read_log(log)
     # What the log shows was let through.
-    joins = [e for e in ev if e["event"] == "join" and e["learner"] == LEARNER]
-    fuzz_window = [e for e in ev if t_start <= e["t"] <= t_end]
+    joins = [e for e in ev if isinstance(e, Joined) and e.learner == LEARNER]
+    fuzz_window = [e for e in ev if t_start <= e.t <= t_end]
     log_anomalies = (
         max(0, len(joins) - 1)
-        + sum(1 for e in fuzz_window if e["event"] == "leave" and e["learner"] == LEARNER)
-        + sum(1 for e in ev if e["event"] == "takeover")
-        + sum(1 for e in ev if e["event"] == "fetch" and e["learner"] == LEARNER)
-        + sum(1 for e in ev if e["event"] == "merge" and not set(e["merged"]) <= {LEARNER, "mallory"})
+        + sum(1 for e in fuzz_window if isinstance(e, Left) and e.learner == LEARNER)
+        + sum(1 for e in ev if isinstance(e, TakenOver))
+        + sum(1 for e in ev if isinstance(e, Fetched) and e.learner == LEARNER)
+        + sum(1 for e in ev if isinstance(e, Merged) and not set(e.merged) <= {LEARNER, "mallory"})
     )
     corruption = 0
     from safetensors.torch import load_file
@@ -466,7 +463,7 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
         corruption += int(not torch.isfinite(now).all() or now.norm() > 10 * was.norm())
     before = _merges_of(ev, LEARNER, t_warm, t_start) / max(t_start - t_warm, 1e-9)
     during = _merges_of(ev, LEARNER, t_start, t_end) / max(t_end - t_start, 1e-9)
-    stopped = [e for e in ev if e["event"] == "stopped"]
+    stopped = [e for e in ev if isinstance(e, Stopped)]
     return {
         "messages": fuzzer.stats["sent"], "seconds": round(fuzz_s, 1),
         "crashes": int(crashed_syncer) + int(crashed_learner) + int(syncer_rc != 0) + int(learner_rc != 0),
@@ -478,7 +475,7 @@ def run(messages: int, *, seed: int = 0, warmup_s: float = 5.0, workdir: Path | 
         "refused": fuzzer.stats["refused"], "silent": fuzzer.stats["silent"],
         "merge_rate_before": round(before, 2), "merge_rate_during": round(during, 2),
         "by_mutation": fuzzer.by_mutation, "accepted_examples": fuzzer.accepted_examples,
-        "syncer_counters": stopped[-1] if stopped else None, "workdir": str(tmp),
+        "syncer_counters": stopped[-1].to_record() if stopped else None, "workdir": str(tmp),
     }
 
 

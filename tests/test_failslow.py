@@ -421,7 +421,8 @@ def test_service_flags_a_slow_learner_advises_it_and_restores_it(procs, tmp_path
     wait_for(lambda: metric(scrape(url), "rackmend_learner_connected") == 0, 30, "both leaves in the metrics")
     final = scrape(url)  # nothing happens any more: every ladder step counted equals the log's
     for rung, name in FAILSLOW_EVENTS.items():  # the metric's label is the rung's word of its log event
-        assert metric(final, "rackmend_failslow_events_total", event=name.removeprefix("failslow_")) == len(rungs(rung)), name
+        label = name.removeprefix("failslow_")
+        assert metric(final, "rackmend_failslow_events_total", event=label) == len(rungs(rung)), name
     assert metric(final, "rackmend_learner_failslow_state") == 0  # both left: their cases are closed
     out = procs.output("l1")
     # The advised ratio is the injected x3 as measured on a shared machine: above 2, and

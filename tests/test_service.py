@@ -250,7 +250,8 @@ def test_ctrl_c_ends_learner_and_syncer_cleanly(procs: Procs, tmp_path: Path) ->
     wait_for(lambda: progress(pl)[0] >= 20, 60, "the learner to step", (learner,))
     learner.send_signal(signal.SIGINT)
     assert learner.wait(15) == 130 and "interrupted: leaving" in procs.output("l0")
-    wait_for(lambda: any(e.learner == "l0" and e.reason == "leave" for e in events(tmp_path, Left)), 10, "the syncer to log the graceful leave")
+    wait_for(lambda: any(e.learner == "l0" and e.reason == "leave" for e in events(tmp_path, Left)), 10,
+             "the syncer to log the graceful leave")
     syncer.send_signal(signal.SIGINT)
     assert syncer.wait(15) == 0
     assert (ck / "syncer.safetensors").exists()

@@ -281,8 +281,9 @@ class Membership:
             # hello: wait for their hellos rather than refuse the new run for pieces its
             # predecessor declared. A new hello of every rank is then checked by itself.
             reason = f"with the pieces ranks {sorted(connected)} declared when they connected: {problem}"
-            self._event(Gated, learner=lid, rank=hello.rank, ranks=tuple(sorted(r for r in ranks if r not in connected)),
-                        world=hello.world, waiting_for=tuple(sorted(connected)), reason=reason)
+            gated = tuple(sorted(r for r in ranks if r not in connected))
+            self._event(Gated, learner=lid, rank=hello.rank, ranks=gated, world=hello.world,
+                        waiting_for=tuple(sorted(connected)), reason=reason)
             log.info("learner %s: rank %d waits for ranks %s to say hello again (a relaunch sharded another way?) "
                      "before its pieces are checked; %s", lid, hello.rank, sorted(connected), reason)
             return []
