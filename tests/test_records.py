@@ -142,6 +142,8 @@ def test_a_line_of_no_known_event_is_refused_by_name() -> None:
         read_event({"event": "fault_slow", "t": 1.0})
     with pytest.raises(ValueError, match="'checkpoint'"):
         read_event({"event": "checkpoint", "t": 1.0})  # its path is missing
+    with pytest.raises(ValueError, match=r"\['merge'\]"):
+        read_event({"event": ["merge"], "t": 1.0})
 
 
 def test_read_log_leaves_a_line_being_written_for_the_next_read(tmp_path: Path) -> None:

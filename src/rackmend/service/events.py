@@ -402,9 +402,10 @@ def read_event(line: Mapping[str, Any]) -> SyncerRecord:
     record = from_record(line)
     if record is not None:
         return record
-    cls = _BY_EVENT.get(line.get("event"))  # type: ignore[arg-type]
+    event = line.get("event")
+    cls = _BY_EVENT.get(event) if isinstance(event, str) else None
     if cls is None:
-        raise ValueError(f"not a line of this version's syncer log (event {line.get('event')!r})")
+        raise ValueError(f"not a line of this version's syncer log (event {event!r})")
     return record_of(cls, line)
 
 
