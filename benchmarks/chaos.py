@@ -19,7 +19,8 @@ Processes, all started here and all killed here (also on an exception or Ctrl-C)
   process at its start, so link faults happen at their drawn times without a control
   channel).
 
-Checked while it runs (from the syncer's event log, read as it grows) and at the end:
+Checked while it runs (from the syncer's event log, read as it grows as typed records:
+a complete line that is no record of this version is itself a violation) and at the end:
 
 - versions monotonic per epoch: every ``merge`` of a fragment is the previous
   version + 1 within a syncer epoch (the ``listening`` event names it), starting from
@@ -231,11 +232,14 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, tick: Callable
 
 
 class LogTail:
-    """The syncer's JSONL log as it grows. A syncer killed mid-write can leave a line
-    without its newline, and the next one appends to it: such lines are split."""
+    """The syncer's JSONL log as it grows, typed (``read_event``). A syncer killed
+    mid-write can leave a line without its newline, and the next one appends to it: such
+    lines are split, and a piece that is not JSON is counted as torn. A piece that is JSON
+    but no record of this version goes to ``unreadable`` (the checker's violation)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, unreadable: Callable[[str], None]) -> None:
         self.path = path
+        self.unreadable = unreadable
         self.offset = 0
         self.rest = b""
         self.torn = 0
@@ -255,15 +259,19 @@ class LogTail:
             if not line.strip():
                 continue
             try:
-                out.append(read_event(json.loads(line)))
-            except (json.JSONDecodeError, ValueError):
-                # A syncer killed mid-write leaves a line cut short, which the next one's
-                # first line is appended to: read the complete pieces, count the rest.
+                pieces = [json.loads(line)]
+            except json.JSONDecodeError:
+                pieces = []
                 for piece in re.split(rb'(?<=\})(?=\{"event")', line):
                     try:
-                        out.append(read_event(json.loads(piece)))
-                    except (json.JSONDecodeError, ValueError):
+                        pieces.append(json.loads(piece))
+                    except json.JSONDecodeError:
                         self.torn += 1
+            for piece in pieces:
+                try:
+                    out.append(read_event(piece))
+                except ValueError as exc:
+                    self.unreadable(f"{exc}: {json.dumps(piece)[:300]}")
         return out
 
 
@@ -381,7 +389,7 @@ class Chaos:
         self.faults = draw_schedule(self.rng, self.phase_s)
         self.violations: list[dict[str, Any]] = []
         self.checker = Checker(self._violate)
-        self.log = LogTail(workdir / "events.jsonl")
+        self.log = LogTail(workdir / "events.jsonl", lambda text: self._violate("unreadable_log_line", text))
         self.procs: list[Proc] = []
         self.syncer: Proc | None = None
         self.syncer_port = 0

@@ -31,6 +31,7 @@ from rackmend.service.events import (
 from rackmend.sim import Kill, RackSpec, SimConfig, Simulation, Slowdown
 
 from helpers import serving
+from procs import read_records
 from test_trust import CONFIG as RAW_CONFIG
 from test_trust import Raw
 
@@ -137,6 +138,40 @@ def test_lines_the_core_does_not_write_are_not_records() -> None:
         from_record({"event": "merge", "t": 1.0, "fragment": 0})
 
 
+SERVICE_LINES = {
+    "listening": "endpoint resumed epoch metrics",
+    "checkpoint": "path versions shard",
+    "checkpoint_tmp_removed": "paths",
+    "resumed": "versions shard",
+    "stopped": "merges rejected_messages replies_dropped log_suppressed queued_replies_max",
+    "message_limit": "bytes max_message_mb zmq_cap",
+    "init_request": "learner fragments replaces",
+    "init_timeout": "learner seconds received next",
+    "initialised": "learner",
+    "fetch": "learner rank fragment version",
+    "bad_message": "peer reason",
+    "internal_error": "peer learner type reason",
+    "unknown_peer": "peer learner type",
+    "identity_refused": "peer learner rank type reason",
+    "auth_denied": "peer learner type key reason",
+    "settings_refused": "peer learner rank setting learner_value syncer_value reason",
+    "uplink_codec_differs": "learner learner_codec syncer_codec",
+    "gate": "learner rank ranks world waiting_for reason",
+    "takeover": "learner rank peer previous silent_s",
+    "silent": "learner rank seconds",
+    "send_dropped": "peer reason",
+    "suppressed": "of count window_s peer learner",
+}
+"""Each service event's keys after ``event`` and ``t``, in order, every optional one set:
+the lines the service wrote as dicts before its events were typed (``settings_refused``
+gained ``peer``, docs/operations.md)."""
+
+
+@pytest.mark.parametrize("kind", _all_kinds(ServiceEvent, leave_out=type(None)), ids=lambda k: k.event)
+def test_every_service_event_keeps_its_line_format(kind: type[SyncerRecord]) -> None:
+    assert list(_example(kind).to_record()) == ["event", "t", *SERVICE_LINES[kind.event].split()]
+
+
 def test_a_line_of_no_known_event_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'fault_slow'"):
         read_event({"event": "fault_slow", "t": 1.0})
@@ -144,6 +179,8 @@ def test_a_line_of_no_known_event_is_refused_by_name() -> None:
         read_event({"event": "checkpoint", "t": 1.0})  # its path is missing
     with pytest.raises(ValueError, match=r"\['merge'\]"):
         read_event({"event": ["merge"], "t": 1.0})
+    with pytest.raises(ValueError, match="list"):
+        read_event(["merge"])  # type: ignore[arg-type]
 
 
 def test_read_log_leaves_a_line_being_written_for_the_next_read(tmp_path: Path) -> None:
@@ -168,11 +205,28 @@ def test_a_real_service_log_reads_back_typed_and_unchanged(tmp_path: Path) -> No
         raw.close()
         svc.stop()
         thread.join(20)
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
     records = read_log(log)
-    assert [r.to_record() for r in records] == lines
+    # Text, not dicts: the keys' order is part of the log's format.
+    assert [json.dumps(r.to_record()) for r in records] == log.read_text().splitlines()
     kinds = [type(r) for r in records]
     assert kinds[0] is Listening and kinds[-1] is Stopped
     assert {InitRequested, Initialised, Joined, BadMessage, CheckpointWritten} <= set(kinds), kinds
     (join,) = [r for r in records if isinstance(r, Joined)]
     assert (join.learner, join.rank, join.world) == ("seed", 0, 1)
+
+
+def test_the_tests_incremental_log_reader_equals_a_whole_read(tmp_path: Path) -> None:
+    """``procs.read_records`` parses only what was added since its last call for a path:
+    after each append (one line half-written) it equals ``read_log`` of the whole file."""
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps(Joined(t=float(i), learner=f"l{i}", expected=True).to_record()) for i in range(5)]
+    assert read_records(path) == []
+    with open(path, "w") as f:
+        f.write(lines[0] + "\n" + lines[1][:10])
+        f.flush()
+        assert read_records(path) == read_log(path) and len(read_log(path)) == 1
+        f.write(lines[1][10:] + "\n" + "\n".join(lines[2:]) + "\n")
+        f.flush()
+        assert read_records(path) == read_log(path) and len(read_log(path)) == 5
+    path.write_text(lines[4] + "\n")  # a new, shorter file at the same path
+    assert read_records(path) == read_log(path) and len(read_log(path)) == 1

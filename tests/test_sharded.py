@@ -459,7 +459,8 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     # (1) torchrun relaunches both ranks; they join again and the rack merges again.
     wait_for(lambda: all(_pid(Path(f"{pids}.{r}"))[1] == 1 for r in range(2)), 60, "torchrun to relaunch the rack",
              (plain,))
-    wait_for(lambda: len([e for e in events(tmp_path, Joined) if e.learner == "l0" and e.t > killed_at]) == 2, 60, "both relaunched ranks to join", (plain,))
+    wait_for(lambda: len([e for e in events(tmp_path, Joined) if e.learner == "l0" and e.t > killed_at]) == 2, 60,
+             "both relaunched ranks to join", (plain,))
     rejoined = max(e.t for e in events(tmp_path, Joined) if e.learner == "l0")
     finish(rack, procs, "l0", timeout=90)  # the relaunched rack runs to its end
     assert merged_l0(rejoined), "the relaunched rack's contributions never merged"

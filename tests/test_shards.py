@@ -22,19 +22,19 @@ from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Left, Merged, Rejected, SyncerRecord
 from rackmend.core.shards import Shard, owner, parse_shard
 from rackmend.core.settings import LearnerSettings
-from rackmend.service.events import CheckpointWritten, Resumed, read_log
+from rackmend.service.events import CheckpointWritten, Resumed
 from rackmend.service.export import ExportError, export_model
 from rackmend.transport import wire
 
 from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
-from procs import LEARNER, Procs, finish, of, progress, wait_for
+from procs import LEARNER, Procs, finish, of, progress, read_records, wait_for
 from reference import reference_run
 from test_trust import CONFIG, Raw
 
 
 def shard_events(tmp: Path, s: int, *kinds: type[SyncerRecord]) -> list:
     """Shard ``s``'s log records so far, typed, of ``kinds`` if given."""
-    return of(read_log(tmp / f"shard{s}.jsonl"), *kinds)
+    return of(read_records(tmp / f"shard{s}.jsonl"), *kinds)
 
 
 def start_shard(procs: Procs, tmp: Path, s: int, count: int, *flags: str, name: str | None = None) -> tuple:

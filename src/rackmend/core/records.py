@@ -60,6 +60,7 @@ __all__ = [
     "from_record",
     "record_of",
     "event_classes",
+    "OMIT_NONE",
 ]
 
 RejectCode = Literal["unknown_fragment", "not_joined", "layout", "counters", "bounds", "epoch", "ahead", "stale",
@@ -85,7 +86,7 @@ FAILSLOW_EVENTS: dict[type, str] = {
 }
 """The log event of each rung of the fail-slow ladder (also the metrics' label)."""
 
-_OMIT_NONE = {"omit_none": True}
+OMIT_NONE = {"omit_none": True}
 """Field metadata: left out of ``to_record()`` when None (a key the log has only sometimes)."""
 
 
@@ -107,6 +108,8 @@ class SyncerRecord:
     """The ``event`` of its JSONL line."""
     level: ClassVar[int] = logging.DEBUG
     """How loud a driver logs it (``logging`` levels); the JSONL log holds every record."""
+    log_prefix: ClassVar[str] = ""
+    """What a driver's Python log puts before the reason of a record at WARNING or above."""
 
     t: float
     """The core's ``now`` when it happened (seconds, the driver's clock)."""
@@ -133,10 +136,10 @@ class Joined(SyncerRecord):
     """The learner id."""
     expected: bool
     """Whether rounds wait for it (False: flagged fail-slow before a syncer restart)."""
-    rank: int | None = field(default=None, metadata=_OMIT_NONE)
+    rank: int | None = field(default=None, metadata=OMIT_NONE)
     """The rank whose hello this join answered; the core knows learners, not ranks, so
     the service sets it (each rank of a multi-rank learner joins). None from the core."""
-    world: int | None = field(default=None, metadata=_OMIT_NONE)
+    world: int | None = field(default=None, metadata=OMIT_NONE)
     """That learner's rank count, set with ``rank``."""
 
 
@@ -177,7 +180,7 @@ class Rejected(SyncerRecord):
     """The sender's learner id."""
     fragment: int
     """The fragment it was for (as sent: may be out of range, see ``code``)."""
-    kind: str | None = field(default=None, metadata=_OMIT_NONE)
+    kind: str | None = field(default=None, metadata=OMIT_NONE)
     """The moment kind for a moment contribution; None for parameters."""
     code: RejectCode
     """Why, as a fixed word (what metrics count by)."""
@@ -195,15 +198,15 @@ class Superseded(SyncerRecord):
     """The sender's learner id."""
     fragment: int
     """The fragment of the round."""
-    kind: str | None = field(default=None, metadata=_OMIT_NONE)
+    kind: str | None = field(default=None, metadata=OMIT_NONE)
     """The moment kind for moments; None for parameters."""
     step: int
     """The learner step of the send that was dropped."""
     by_step: int
     """The learner step of the send kept in its place."""
-    base_version: int | None = field(default=None, metadata=_OMIT_NONE)
+    base_version: int | None = field(default=None, metadata=OMIT_NONE)
     """The dropped send's base version (parameters only)."""
-    by_base_version: int | None = field(default=None, metadata=_OMIT_NONE)
+    by_base_version: int | None = field(default=None, metadata=OMIT_NONE)
     """The kept send's base version (parameters only)."""
 
 
@@ -239,21 +242,21 @@ class Guarded(SyncerRecord):
     """The sender's learner id."""
     fragment: int
     """The fragment."""
-    kind: str | None = field(default=None, metadata=_OMIT_NONE)
+    kind: str | None = field(default=None, metadata=OMIT_NONE)
     """The moment kind for moments; None for parameters."""
-    version: int | None = field(default=None, metadata=_OMIT_NONE)
+    version: int | None = field(default=None, metadata=OMIT_NONE)
     """Moments: the version the clipped round became."""
-    step: int | None = field(default=None, metadata=_OMIT_NONE)
+    step: int | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: the learner step of the send."""
     norm: float
     """The contribution's L2 norm."""
-    median: float | None = field(default=None, metadata=_OMIT_NONE)
+    median: float | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: the guard's scale (the lower median of recent merged norms, capped)."""
-    c_steps: int | None = field(default=None, metadata=_OMIT_NONE)
+    c_steps: int | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: the inner steps the send holds."""
-    usual_steps: int | None = field(default=None, metadata=_OMIT_NONE)
+    usual_steps: int | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: the usual inner steps of a merged send of the fragment."""
-    behind: int | None = field(default=None, metadata=_OMIT_NONE)
+    behind: int | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: versions its base is behind the current one."""
     bound: float
     """The norm it was clipped to."""
@@ -311,7 +314,7 @@ class Merged(SyncerRecord):
     """Bytes received for the merged work."""
     bytes_out: int
     """Bytes of the new value sent, over all learners."""
-    cause: Literal["leave", "final"] | None = field(default=None, metadata=_OMIT_NONE)
+    cause: Literal["leave", "final"] | None = field(default=None, metadata=OMIT_NONE)
     """Why a round closed early: a graceful leave, or ``FinalMerge``; None otherwise."""
 
 
@@ -325,9 +328,9 @@ class Dropped(SyncerRecord):
     level: ClassVar[int] = logging.WARNING
     fragment: int
     """The fragment."""
-    kind: str | None = field(default=None, metadata=_OMIT_NONE)
+    kind: str | None = field(default=None, metadata=OMIT_NONE)
     """The moment kind of a dropped moments round; None for parameters."""
-    dropped: tuple[str, ...] | None = field(default=None, metadata=_OMIT_NONE)
+    dropped: tuple[str, ...] | None = field(default=None, metadata=OMIT_NONE)
     """Parameters: the learners whose pending work was dropped; None for moments."""
     version: int
     """The fragment's (or moment kind's) version, unchanged."""
@@ -502,16 +505,20 @@ def _typed(value: Any, hint: Any) -> Any:
     return value
 
 
-def event_classes(base: type[SyncerRecord]) -> dict[str, type[SyncerRecord]]:
-    """Every subclass of ``base`` (at any depth) that names its own ``event``, by event
-    name: what a reader of a log looks a line's class up in."""
+def event_classes(base: type[SyncerRecord], module: str) -> dict[str, type[SyncerRecord]]:
+    """Every subclass of ``base`` (at any depth) defined in ``module`` that names its own
+    ``event``, by event name: what a reader of a log looks a line's class up in. Only
+    ``module``'s, so the answer does not depend on which other modules were imported first;
+    ValueError if two of them share an event name (a line could not say which it is)."""
     found: dict[str, type[SyncerRecord]] = {}
     todo = list(base.__subclasses__())
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         event = cls.__dict__.get("event")
-        if isinstance(event, str):
+        if isinstance(event, str) and cls.__module__ == module:
+            if event in found:
+                raise ValueError(f"{found[event].__name__} and {cls.__name__} both log as {event!r}")
             found[event] = cls
     return found
 
@@ -530,7 +537,7 @@ def record_of(cls: type[SyncerRecord], line: Mapping[str, Any]) -> SyncerRecord:
         raise ValueError(f"a {line.get('event')!r} log line that is not a record of this version: {exc}") from None
 
 
-_BY_EVENT = event_classes(SyncerRecord)
+_BY_EVENT = event_classes(SyncerRecord, __name__)
 _RUNGS = {event: cls for cls, event in FAILSLOW_EVENTS.items()}
 
 

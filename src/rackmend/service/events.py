@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from rackmend.core.records import SyncerRecord, event_classes, from_record, record_of
+from rackmend.core.records import OMIT_NONE, SyncerRecord, event_classes, from_record, record_of
 
 __all__ = [
     "ServiceEvent",
@@ -51,16 +51,9 @@ __all__ = [
     "read_log",
 ]
 
-_OMIT_NONE = {"omit_none": True}
-"""Field metadata: left out of ``to_record()`` when None (a key the line has only sometimes)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class ServiceEvent(SyncerRecord):
     """Base of the service's own events (``t``: the service's clock, monotonic seconds)."""
-
-    log_prefix: ClassVar[str] = ""
-    """What the Python log puts before a warning's reason."""
 
 
 # ------------------------------------------------------------------ lifecycle
@@ -88,7 +81,7 @@ class CheckpointWritten(ServiceEvent):
     """Its file."""
     versions: tuple[int, ...]
     """Each fragment's version in it (the shard's fragments, for a shard)."""
-    shard: str | None = field(default=None, metadata=_OMIT_NONE)
+    shard: str | None = field(default=None, metadata=OMIT_NONE)
     """``s/S`` for a syncer shard; None for the whole model."""
 
 
@@ -108,7 +101,7 @@ class Resumed(ServiceEvent):
     event: ClassVar[str] = "resumed"
     versions: tuple[int, ...]
     """Each fragment's version as loaded."""
-    shard: str | None = field(default=None, metadata=_OMIT_NONE)
+    shard: str | None = field(default=None, metadata=OMIT_NONE)
     """``s/S`` for a syncer shard; None for the whole model."""
 
 
@@ -152,7 +145,7 @@ class InitRequested(ServiceEvent):
     """The learner asked."""
     fragments: int
     """Fragments it is to send."""
-    replaces: str | None = field(default=None, metadata=_OMIT_NONE)
+    replaces: str | None = field(default=None, metadata=OMIT_NONE)
     """The learner asked before it, which sent nothing in time; None for the first ask."""
 
 
@@ -263,13 +256,13 @@ class AuthDenied(ServiceEvent):
     event: ClassVar[str] = "auth_denied"
     level: ClassVar[int] = logging.WARNING
     log_prefix: ClassVar[str] = "auth denied: "
-    peer: str | None = field(default=None, metadata=_OMIT_NONE)
+    peer: str | None = field(default=None, metadata=OMIT_NONE)
     """The connection, hex."""
-    learner: str | None = field(default=None, metadata=_OMIT_NONE)
+    learner: str | None = field(default=None, metadata=OMIT_NONE)
     """The learner id the message named."""
-    type: str | None = field(default=None, metadata=_OMIT_NONE)
+    type: str | None = field(default=None, metadata=OMIT_NONE)
     """The message type."""
-    key: str | None = field(default=None, metadata=_OMIT_NONE)
+    key: str | None = field(default=None, metadata=OMIT_NONE)
     """The client's public key, Z85."""
     reason: str
     """Why."""
@@ -323,9 +316,9 @@ class Gated(ServiceEvent):
     """Ranks held in the gate."""
     world: int
     """The learner's rank count."""
-    waiting_for: tuple[int, ...] | None = field(default=None, metadata=_OMIT_NONE)
+    waiting_for: tuple[int, ...] | None = field(default=None, metadata=OMIT_NONE)
     """Connected ranks that must say hello again."""
-    reason: str | None = field(default=None, metadata=_OMIT_NONE)
+    reason: str | None = field(default=None, metadata=OMIT_NONE)
     """Why they must."""
 
 
@@ -385,20 +378,22 @@ class Suppressed(ServiceEvent):
     """How many."""
     window_s: float
     """The window, seconds."""
-    peer: str | None = field(default=None, metadata=_OMIT_NONE)
+    peer: str | None = field(default=None, metadata=OMIT_NONE)
     """The connection, hex (None when counted per learner)."""
-    learner: str | None = field(default=None, metadata=_OMIT_NONE)
+    learner: str | None = field(default=None, metadata=OMIT_NONE)
     """The learner (rejected contributions are counted per learner)."""
 
 
 # ------------------------------------------------------------------ reading a log back
-_BY_EVENT = event_classes(ServiceEvent)
+_BY_EVENT = event_classes(ServiceEvent, __name__)
 
 
 def read_event(line: Mapping[str, Any]) -> SyncerRecord:
     """The typed record of one line of a syncer's JSONL log: a core record
     (``rackmend.core.records``) or one of the service's events above. ValueError for a
     line that is neither (another program's log, or another version's), naming its event."""
+    if not isinstance(line, Mapping):
+        raise ValueError(f"not a line of a syncer log: a JSON {type(line).__name__}, not an object")
     record = from_record(line)
     if record is not None:
         return record

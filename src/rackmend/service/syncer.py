@@ -802,7 +802,7 @@ class SyncerService:
         """Log a record: the core's (its fragment already in the model's numbering) or the
         service's own (``rackmend.service.events``)."""
         line = record.to_record()
-        self._say(line, record.level, record.log_prefix if isinstance(record, ServiceEvent) else "")
+        self._say(line, record.level, record.log_prefix)
         self._record(line)
 
     @staticmethod
