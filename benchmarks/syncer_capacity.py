@@ -13,6 +13,11 @@ machine's memory gives), GB/s of fragment bytes coming in (M x the float32 size)
 - ``int8``/``int4 decode+merge``: the learners' encoded messages parsed and decoded as the
   service receives them (``wire.parse_contribution``), then merge + step;
 - ``int8``/``int4 round``: decode, then the whole round through ``SyncerCore``;
+- ``int4 dequantize in merge (not taken)``: the learners' messages checked on arrival
+  (``Codec.from_wire``) but not decoded; the merge dequantizes each learner's values
+  chunk by chunk into one reused buffer inside its sums (``dequantize_range``), then the
+  step: the decoded values are never written whole. The same bits as decode + merge
+  (checked before timing); the service does not do this (``docs/capacity.md``);
 - ``int4 decode next || merge`` (2 threads): the next round's messages decoded on another
   thread while this thread merges and steps the round decoded before:
   whether receiving the next contributions can overlap merging; GB/s of one round over
@@ -48,7 +53,9 @@ from _common import finish, parser, summary
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.codecs import make_codec
 from rackmend.core import Contribution, ContributionArrived, FragmentSpec, LearnerJoined, SyncerCore, TensorSpec
-from rackmend.core.merge import contribution_weight, merge_deltas
+from rackmend.codecs import Encoded
+from rackmend.core.merge import _CHUNK as MERGE_CHUNK  # the merge's own chunk: the sums run as its do
+from rackmend.core.merge import ACC_DTYPE, contribution_weight, merge_deltas, normalized_weights
 from rackmend.transport import wire
 
 N_TENSORS = 4
@@ -107,6 +114,45 @@ class Round:
             out.append(list(wire.parse_contribution(msg, [self.spec], self.pool).tensors))
         return out
 
+    def received(self, codec: str) -> list[list[Encoded]]:
+        """Each learner's tensors as the syncer checks them on arrival (``Codec.from_wire``
+        of the message's frames, as ``wire.parse_encoded`` does), not decoded."""
+        c = make_codec(codec)
+        out = []
+        for frames in self.frames[codec]:
+            msg = wire.decode_header(frames, wire.SYNCER_RECEIVES, 1 << 31)
+            encs, start = [], 0
+            for m, s in zip(msg.header["tensors"], self.spec.tensors):
+                encs.append(c.from_wire(s.shape, m["params"], msg.frames[start:start + m["frames"]]))
+                start += m["frames"]
+            out.append(encs)
+        return out
+
+    def merged_in_chunks(self, codec: str) -> list[torch.Tensor]:
+        """The mean merge with each learner's values dequantized inside the merge's chunks
+        (the sums of ``merge_deltas``, in the same order: the same bits)."""
+        c = make_codec(codec)
+        encs, w = self.received(codec), normalized_weights(self.weights)
+        buf, acc = torch.empty(MERGE_CHUNK), torch.empty(MERGE_CHUNK, dtype=ACC_DTYPE)
+        out = []
+        for i, spec in enumerate(self.spec.tensors):
+            n = spec.shape[0]
+            g = torch.empty(n)
+            for lo in range(0, n, MERGE_CHUNK):
+                hi = min(n, lo + MERGE_CHUNK)
+                a = acc[: hi - lo]
+                a.zero_()
+                for e, wm in zip(encs, w):
+                    a.add_(c.dequantize_range(e[i], lo, hi, buf), alpha=wm)  # type: ignore[attr-defined]
+                g[lo:hi].copy_(a)
+            out.append(g)
+        return out
+
+    def merge_outer_in_chunks(self, codec: str) -> None:
+        for th, gr in zip(self.theta, self.merged_in_chunks(codec)):
+            th.grad = gr
+        self.opt.step()
+
     def decode_overlapping(self, codec: str, decoded: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The next round decoded on another thread while ``decoded`` merges on this one."""
         out: list[list[list[torch.Tensor]]] = []
@@ -151,6 +197,9 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
         rnd = Round(learners, fragment_mb)
         for codec in ("int8", "int4"):
             rnd.encode(codec)
+        assert all(torch.equal(a, b) for a, b in zip(rnd.merged_in_chunks("int4"),
+                                                     merge_deltas(rnd.decode("int4"), rnd.weights, "mean"))), \
+            "dequantizing inside the merge changed its bits"
         secs: dict[str, list[float]] = {}
         for r in range(repeats + 1):  # the first repeat warms up and is dropped
             row = {
@@ -161,6 +210,7 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
             for codec in ("int8", "int4"):
                 row[f"{codec} decode+merge"] = _timed(lambda: rnd.merge_outer(rnd.decode(codec)))
                 row[f"{codec} round"] = _timed(lambda: rnd.core_round(rnd.decode(codec)))
+            row["int4 dequantize in merge (not taken)"] = _timed(lambda: rnd.merge_outer_in_chunks("int4"))
             if pool is not None:
                 previous = rnd.decode("int4")
                 row["int4 decode next || merge"] = _timed(lambda: rnd.decode_overlapping("int4", previous))
@@ -261,10 +311,10 @@ def main() -> None:
     rows["2 shards, 1t each"] = {"gbps": summary([nbytes / w / 1e9 for w in walls]),
                                  "ratio": summary([copy2 / w for w in walls])}
     print(f"\nGB/s of fragment bytes in ({repeats} repeats; ratio: copy time / path time, side by side)")
-    print(f"{'path':<32} {'GB/s':>7} {'min':>7} {'max':>7} {'x copy':>7} {'min':>6} {'max':>6}")
+    print(f"{'path':<44} {'GB/s':>7} {'min':>7} {'max':>7} {'x copy':>7} {'min':>6} {'max':>6}")
     for name, r in rows.items():
         g, q = r["gbps"], r["ratio"]
-        print(f"{name:<32} {g['median']:>7.2f} {g['min']:>7.2f} {g['max']:>7.2f} {q['median']:>7.2f} "
+        print(f"{name:<44} {g['median']:>7.2f} {g['min']:>7.2f} {g['max']:>7.2f} {q['median']:>7.2f} "
               f"{q['min']:>6.2f} {q['max']:>6.2f}")
     measured = {"fp32": rows["fp32 round (1t)"]["gbps"]["median"], "int4": rows["int4 round (1t)"]["gbps"]["median"]}
     sizing = plan(measured)
@@ -280,6 +330,8 @@ def main() -> None:
             "seconds": raw, "rows": rows, "sizing": sizing},
            {"fp32_merge_2t_x_copy": pick("fp32 merge+outer (2t)"), "fp32_merge_1t_x_copy": pick("fp32 merge+outer (1t)"),
             "int4_decode_merge_2t_x_copy": pick("int4 decode+merge (2t)"),
+            "int4_dequantize_in_merge_2t_x_copy": pick("int4 dequantize in merge (not taken) (2t)"),
+            "int4_dequantize_in_merge_1t_x_copy": pick("int4 dequantize in merge (not taken) (1t)"),
             "int8_decode_merge_2t_x_copy": pick("int8 decode+merge (2t)"),
             "int4_decode_next_while_merging_2t_x_copy": pick("int4 decode next || merge (2t)"),
             "fp32_merge_2t_pool_x_copy": pick("fp32 merge+outer, pool (2t)"),

@@ -97,6 +97,24 @@ def test_decode_gives_the_bits_of_the_plain_decode(codec: str, bs: int, n: int, 
         assert codec == "int8" or content == "zeros" or n < 1001 or bs == 1, "the swap check must run here"
 
 
+@pytest.mark.parametrize("codec,bs,n,content", [c for c in cases() if c[3] in ("randn", "raw")])
+def test_a_range_decoded_alone_has_the_bits_of_the_whole_decode(codec: str, bs: int, n: int, content: str) -> None:
+    """``dequantize_range`` into one reused buffer, range by range (the last one with the
+    partial tail), gives the whole decode's bits; a range not on whole units is refused."""
+    enc = encoded(codec, bs, n, content, seed=n + 3 * bs)
+    want = plain_decode(enc).view(-1)
+    c = make_codec(codec)
+    unit = bs * (2 if codec == "int4" else 1)
+    step = max(unit, (1000 // unit) * unit)
+    buf = torch.full((step,), float("nan"))
+    got = torch.cat([c.dequantize_range(enc, lo, min(n, lo + step), buf).clone() for lo in range(0, n, step)]) \
+        if n else torch.empty(0)
+    assert same_bits(got, want)
+    if n > unit > 1:
+        with pytest.raises(ValueError, match="whole units"):
+            c.dequantize_range(enc, 1, unit, buf)
+
+
 def test_jobs_on_a_pool_and_parse_contribution_give_the_same_bits() -> None:
     n = 2 * _DECODE_CHUNK + 333
     spec = FragmentSpec(0, 0, (TensorSpec("a", (n,), torch.float32), TensorSpec("b", (3, 5), torch.float32),

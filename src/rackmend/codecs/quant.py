@@ -267,22 +267,32 @@ class _BlockQuantCodec(Codec):
         main, step = (n // unit) * unit, _chunk_step(n, unit, dev, _DECODE_CHUNK)
         starts = list(range(0, main, step)) if main else [0] if n else []  # [0]: a tail alone
         stops = starts[1:] + [n]
-        jobs = [partial(self._dequantize_into, enc, out, lo, hi) for lo, hi in zip(starts, stops)]
+        jobs = [partial(self.dequantize_range, enc, lo, hi, out[lo:hi]) for lo, hi in zip(starts, stops)]
         return out.view(enc.shape), jobs
 
-    def _dequantize_into(self, enc: Encoded, out: torch.Tensor, start: int, stop: int) -> None:
-        """out[i] = level[i] * scale[block of i] for i in [start, stop): one chunk of whole
-        units, and the partial tail block where ``stop`` reaches past the last unit."""
-        scale, bs, n = enc.frames[0], int(enc.params["block_size"]), out.numel()
-        main = min(stop, (n // (bs * self.unit)) * bs * self.unit)
+    def dequantize_range(self, enc: Encoded, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements [start, stop) of ``enc``'s decoded value (flat), written to the first
+        ``stop - start`` elements of ``out`` (float32, on the frames' device) and returned:
+        the same bits as ``decode(enc).view(-1)[start:stop]``, without the whole tensor, so
+        a consumer can decode chunk by chunk into memory it reuses. ``start`` is a multiple
+        of ``block_size`` times the elements per packed unit (2 for int4); ``stop`` either
+        is too or is the tensor's end. ``enc`` must have been checked (``from_wire`` does)."""
+        scale, bs, n = enc.frames[0], int(enc.params["block_size"]), numel(enc.shape)
+        unit = bs * self.unit
+        if not (0 <= start <= stop <= n and start % unit == 0 and (stop % unit == 0 or stop == n)):
+            raise ValueError(f"{self.name}: range [{start}, {stop}) of {n} elements does not start and end on "
+                             f"whole units of {unit} elements (or at the end)")
+        main = min(stop, (n // unit) * unit)
+        o = out[: stop - start]
         if start < main:
-            o = out[start:main]
-            o.copy_(self._chunk_levels(enc, start, main))
-            o.view(-1, bs).mul_(scale[start // bs : main // bs, None])
+            body = o[: main - start]
+            body.copy_(self._chunk_levels(enc, start, main))
+            body.view(-1, bs).mul_(scale[start // bs : main // bs, None])
         if main < stop:
-            o = out[main:stop]
-            o.copy_(self._chunk_levels(enc, main, stop))
-            o.mul_(scale[_tail_index(main, stop, bs, out.device)])
+            tail = o[main - start :]
+            tail.copy_(self._chunk_levels(enc, main, stop))
+            tail.mul_(scale[_tail_index(main, stop, bs, out.device)])
+        return o
 
     def error_bound(self, x: torch.Tensor) -> float:
         """``max_b s_b * (1/2 + qmax * 2**-21) + qmax * 2**-126``, s_b = absmax_b / qmax.
