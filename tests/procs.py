@@ -104,7 +104,9 @@ def of(records: Iterable[SyncerRecord], *kinds: type[SyncerRecord]) -> list:
 
 _READ: dict[Path, tuple[int, list[SyncerRecord]]] = {}
 """Per log file, the bytes read so far and their records: tests poll a log every 50 ms,
-and reading it whole each time cost a core's worth of parsing on a long log."""
+and reading it whole each time cost a core's worth of parsing on a long log. The files
+read last only (``_KEEP``): a finished test's log is not read again."""
+_KEEP = 8
 
 
 def read_records(path: Path) -> list[SyncerRecord]:
@@ -124,7 +126,10 @@ def read_records(path: Path) -> list[SyncerRecord]:
     if complete:
         records = records + [read_event(json.loads(line)) for line in complete.splitlines() if line.strip()]
         done += len(complete) + 1
-    _READ[path] = (done, records)
+    _READ.pop(path, None)
+    _READ[path] = (done, records)  # the newest last: the oldest go first
+    while len(_READ) > _KEEP:
+        del _READ[next(iter(_READ))]
     return list(records)
 
 
