@@ -14,7 +14,7 @@ machine's memory gives), GB/s of fragment bytes coming in (M x the float32 size)
   service receives them (``wire.parse_contribution``), then merge + step;
 - ``int8``/``int4 round``: decode, then the whole round through ``SyncerCore``;
 - ``int4 dequantize in merge (not taken)``: the learners' messages checked on arrival
-  (``Codec.from_wire``) but not decoded; the merge dequantizes each learner's values
+  (``wire.parse_encoded_frames``) but not decoded; the merge dequantizes each learner's values
   chunk by chunk into one reused buffer inside its sums (``dequantize_range``), then the
   step: the decoded values are never written whole. The same bits as decode + merge
   (checked before timing); the service does not do this (``docs/capacity.md``);
@@ -55,11 +55,34 @@ from rackmend.codecs import make_codec
 from rackmend.core import Contribution, ContributionArrived, FragmentSpec, LearnerJoined, SyncerCore, TensorSpec
 from rackmend.codecs import Encoded
 from rackmend.core.merge import _CHUNK as MERGE_CHUNK  # the merge's own chunk: the sums run as its do
-from rackmend.core.merge import ACC_DTYPE, contribution_weight, merge_deltas, normalized_weights
+from rackmend.core.merge import contribution_weight, merge_deltas
 from rackmend.transport import wire
 
 N_TENSORS = 4
 STEPS = 24
+
+
+class DequantizedInMerge:
+    """An int8/int4 tensor that ``merge_deltas`` reads as if decoded: its sums slice each
+    tensor one ``MERGE_CHUNK`` at a time and add the slice at once, so a slice can be
+    dequantized (``dequantize_range``) into a buffer shared by all learners, and the
+    decoded tensor is never written whole. Relies on that reading order; the benchmark
+    checks the bits against decode + merge before it times this path."""
+
+    dtype = torch.float32
+
+    def __init__(self, codec: Any, encoded: Encoded, buf: torch.Tensor) -> None:
+        self.codec, self.encoded, self.buf = codec, encoded, buf
+        self.shape, self.device = encoded.shape, buf.device
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def reshape(self, *_: int) -> DequantizedInMerge:
+        return self
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        return self.codec.dequantize_range(self.encoded, s.start, s.stop, self.buf)
 
 
 class Round:
@@ -114,44 +137,17 @@ class Round:
             out.append(list(wire.parse_contribution(msg, [self.spec], self.pool).tensors))
         return out
 
-    def received(self, codec: str) -> list[list[Encoded]]:
-        """Each learner's tensors as the syncer checks them on arrival (``Codec.from_wire``
-        of the message's frames, as ``wire.parse_encoded`` does), not decoded."""
-        c = make_codec(codec)
+    def in_merge(self, codec: str) -> list[list[Any]]:
+        """Each learner's tensors as the syncer checks them on arrival
+        (``wire.parse_encoded_frames``), not decoded, each wrapped to be dequantized piece
+        by piece as ``merge_deltas`` reads it (``DequantizedInMerge``)."""
+        buf = torch.empty(MERGE_CHUNK)  # one for all: the merge adds each piece before it reads the next
         out = []
         for frames in self.frames[codec]:
             msg = wire.decode_header(frames, wire.SYNCER_RECEIVES, 1 << 31)
-            encs, start = [], 0
-            for m, s in zip(msg.header["tensors"], self.spec.tensors):
-                encs.append(c.from_wire(s.shape, m["params"], msg.frames[start:start + m["frames"]]))
-                start += m["frames"]
-            out.append(encs)
+            c, encoded = wire.parse_encoded_frames(msg, self.spec)
+            out.append([DequantizedInMerge(c, e, buf) for e in encoded])
         return out
-
-    def merged_in_chunks(self, codec: str) -> list[torch.Tensor]:
-        """The mean merge with each learner's values dequantized inside the merge's chunks
-        (the sums of ``merge_deltas``, in the same order: the same bits)."""
-        c = make_codec(codec)
-        encs, w = self.received(codec), normalized_weights(self.weights)
-        buf, acc = torch.empty(MERGE_CHUNK), torch.empty(MERGE_CHUNK, dtype=ACC_DTYPE)
-        out = []
-        for i, spec in enumerate(self.spec.tensors):
-            n = spec.shape[0]
-            g = torch.empty(n)
-            for lo in range(0, n, MERGE_CHUNK):
-                hi = min(n, lo + MERGE_CHUNK)
-                a = acc[: hi - lo]
-                a.zero_()
-                for e, wm in zip(encs, w):
-                    a.add_(c.dequantize_range(e[i], lo, hi, buf), alpha=wm)  # type: ignore[attr-defined]
-                g[lo:hi].copy_(a)
-            out.append(g)
-        return out
-
-    def merge_outer_in_chunks(self, codec: str) -> None:
-        for th, gr in zip(self.theta, self.merged_in_chunks(codec)):
-            th.grad = gr
-        self.opt.step()
 
     def decode_overlapping(self, codec: str, decoded: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """The next round decoded on another thread while ``decoded`` merges on this one."""
@@ -197,7 +193,7 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
         rnd = Round(learners, fragment_mb)
         for codec in ("int8", "int4"):
             rnd.encode(codec)
-        assert all(torch.equal(a, b) for a, b in zip(rnd.merged_in_chunks("int4"),
+        assert all(torch.equal(a, b) for a, b in zip(merge_deltas(rnd.in_merge("int4"), rnd.weights, "mean"),
                                                      merge_deltas(rnd.decode("int4"), rnd.weights, "mean"))), \
             "dequantizing inside the merge changed its bits"
         secs: dict[str, list[float]] = {}
@@ -210,7 +206,7 @@ def measure(threads: int, learners: int, fragment_mb: float, repeats: int) -> di
             for codec in ("int8", "int4"):
                 row[f"{codec} decode+merge"] = _timed(lambda: rnd.merge_outer(rnd.decode(codec)))
                 row[f"{codec} round"] = _timed(lambda: rnd.core_round(rnd.decode(codec)))
-            row["int4 dequantize in merge (not taken)"] = _timed(lambda: rnd.merge_outer_in_chunks("int4"))
+            row["int4 dequantize in merge (not taken)"] = _timed(lambda: rnd.merge_outer(rnd.in_merge("int4")))
             if pool is not None:
                 previous = rnd.decode("int4")
                 row["int4 decode next || merge"] = _timed(lambda: rnd.decode_overlapping("int4", previous))

@@ -136,6 +136,14 @@ def test_jobs_on_a_pool_and_parse_contribution_give_the_same_bits() -> None:
             assert all(same_bits(a, b) for a, b in zip(got.tensors, want)), (codec, workers)
             if codec in ("int4", "int8"):
                 assert all(same_bits(a, plain_decode(e)) for a, e in zip(got.tensors, enc))
+        # Checked on arrival but not decoded: the same frames, decoded later, the same bits.
+        codec_got, received = wire.parse_encoded_frames(wire.decode_header(frames, wire.SYNCER_RECEIVES, 1 << 30),
+                                                        spec)
+        assert codec_got.name == codec and all(same_bits(codec_got.decode(e), w) for e, w in zip(received, want))
+    plain = Contribution("l0", 0, 0, 4, 4, 100.0, 0.1, values, session=1, seq=1)
+    with pytest.raises(wire.WireError, match="plain tensors"):
+        wire.parse_encoded_frames(wire.decode_header(wire.contribution_frames(plain, 0), wire.SYNCER_RECEIVES,
+                                                     1 << 30), spec)
 
 
 @pytest.mark.skipif(buffers._idle is None, reason="this torch counts storage references differently: no recycling")

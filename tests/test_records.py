@@ -136,6 +136,9 @@ def test_lines_the_core_does_not_write_are_not_records() -> None:
     assert "rank" not in Joined(t=1.0, learner="a", expected=True).to_record()
     with pytest.raises(ValueError, match="'merge'"):
         from_record({"event": "merge", "t": 1.0, "fragment": 0})
+    with pytest.raises(ValueError, match="'combined'"):  # a pair with three values
+        from_record({"event": "combined", "t": 1.0, "learner": "a", "fragment": 0, "steps": [1, 2, 3],
+                     "base_versions": [0, 0], "c_steps": [1, 1], "c_tokens": [1.0, 1.0]})
 
 
 SERVICE_LINES = {

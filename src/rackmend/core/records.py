@@ -499,7 +499,7 @@ def _typed(value: Any, hint: Any) -> Any:
     if origin is tuple and isinstance(value, list):
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_typed(v, args[0]) for v in value)
-        return tuple(_typed(v, a) for v, a in zip(value, args))
+        return tuple(_typed(v, a) for v, a in zip(value, args, strict=True))
     if origin is abc.Mapping and isinstance(value, dict):
         return {k: _typed(v, args[1]) for k, v in value.items()}
     return value
@@ -533,8 +533,12 @@ def record_of(cls: type[SyncerRecord], line: Mapping[str, Any]) -> SyncerRecord:
     hints = _hints(cls)
     try:
         return cls(**{f.name: _typed(line[f.name], hints[f.name]) for f in fields(cls) if f.name in line})
-    except TypeError as exc:
-        raise ValueError(f"a {line.get('event')!r} log line that is not a record of this version: {exc}") from None
+    except (TypeError, ValueError) as exc:  # a field missing, or a fixed-length array of another length
+        raise _not_a_record(line.get("event"), exc) from None
+
+
+def _not_a_record(event: Any, exc: Exception) -> ValueError:
+    return ValueError(f"a {event!r} log line that is not a record of this version: {exc}")
 
 
 _BY_EVENT = event_classes(SyncerRecord, __name__)
@@ -557,6 +561,6 @@ def from_record(line: Mapping[str, Any]) -> SyncerRecord | None:
             report = FailSlowReport(**{f.name: line[f.name] for f in fields(FailSlowReport) if f.name in line})
             return FailSlowNoted(t=line["t"], action=rung(report), reason=line["reason"])  # type: ignore[arg-type]
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"a {event!r} log line that is not a record of this version: {exc}") from None
+            raise _not_a_record(event, exc) from None
     cls = _BY_EVENT.get(event)
     return None if cls is None else record_of(cls, line)

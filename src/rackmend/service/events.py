@@ -51,6 +51,7 @@ __all__ = [
     "read_log",
 ]
 
+
 @dataclass(frozen=True, kw_only=True)
 class ServiceEvent(SyncerRecord):
     """Base of the service's own events (``t``: the service's clock, monotonic seconds)."""

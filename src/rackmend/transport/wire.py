@@ -64,6 +64,7 @@ __all__ = [
     "parse_moments_update",
     "parse_tensors",
     "parse_encoded",
+    "parse_encoded_frames",
     "parse_pieces",
     "message_pieces",
     "status_request_frames",
@@ -528,6 +529,41 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
     (decoded float32 values, the encoded tensors) for a compression codec. ``pool``: the
     tensors are decoded concurrently on its workers (a receiver's spare cores), in parts
     of a tensor where the codec has ``decode_parts``, into outputs allocated here."""
+    codec_id, meta = _tensor_entries(msg, spec)
+    if codec_id == CODEC_NONE:
+        return _parse_plain(msg, spec, meta), None
+    codec, encoded = _checked_encoded(msg, spec, codec_id, meta)
+    decoded: list[torch.Tensor | None] = []
+    jobs: list[Callable[[], Any]] = []
+    for s, e in zip(spec.tensors, encoded):
+        try:
+            parts = codec.decode_parts(e)
+        except CodecError as exc:
+            raise WireError(f"{s.name}: {str(exc)[:500]}") from None
+        if parts is None:
+            jobs.append(partial(_decode_whole, codec, s, e, decoded, len(decoded)))
+            decoded.append(None)
+        else:
+            decoded.append(parts[0])
+            jobs.extend(parts[1])
+    # Parts of a tensor, not whole tensors, go to the workers: uneven tensors share out evenly.
+    run_jobs(jobs, pool)
+    return cast("tuple[torch.Tensor, ...]", tuple(decoded)), encoded  # every job has filled its slot
+
+
+def parse_encoded_frames(msg: Message, spec: FragmentSpec) -> tuple[Codec, tuple[Encoded, ...]]:
+    """A compressed message's tensors checked against ``spec`` (every check
+    ``parse_encoded`` makes) but not decoded: the codec and each tensor's ``Encoded``,
+    for a consumer that decodes piece by piece (int8/int4: ``dequantize_range``). WireError for
+    an uncompressed message."""
+    codec_id, meta = _tensor_entries(msg, spec)
+    if codec_id == CODEC_NONE:
+        raise WireError(f"fragment {spec.index}: the message carries plain tensors, not encoded ones")
+    return _checked_encoded(msg, spec, codec_id, meta)
+
+
+def _tensor_entries(msg: Message, spec: FragmentSpec) -> tuple[int, list[dict[str, Any]]]:
+    """The header's codec id and one tensor entry (a map) per tensor of ``spec``."""
     h = msg.header
     codec_id = _field(h, "codec", int)
     meta = _field(h, "tensors", list)
@@ -536,8 +572,13 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
     for m in meta:
         if not isinstance(m, dict):
             raise WireError("tensor entry must be a map")
-    if codec_id == CODEC_NONE:
-        return _parse_plain(msg, spec, meta), None
+    return codec_id, meta
+
+
+def _checked_encoded(msg: Message, spec: FragmentSpec, codec_id: int, meta: list[dict[str, Any]]
+                     ) -> tuple[Codec, tuple[Encoded, ...]]:
+    """The frames of a compressed message as the codec's ``Encoded`` tensors, each checked
+    (frame count, dtype, shape, the codec's own layout and values)."""
     try:
         codec = codec_by_id(codec_id)
     except CodecError as exc:
@@ -559,23 +600,7 @@ def parse_encoded(msg: Message, spec: FragmentSpec, pool: Executor | None = None
         except CodecError as exc:  # cut: the text may quote attacker-chosen parameter names
             raise WireError(f"{s.name}: {str(exc)[:500]}") from None
         start += n
-
-    decoded: list[torch.Tensor | None] = []
-    jobs: list[Callable[[], Any]] = []
-    for s, e in zip(spec.tensors, encoded):
-        try:
-            parts = codec.decode_parts(e)
-        except CodecError as exc:
-            raise WireError(f"{s.name}: {str(exc)[:500]}") from None
-        if parts is None:
-            jobs.append(partial(_decode_whole, codec, s, e, decoded, len(decoded)))
-            decoded.append(None)
-        else:
-            decoded.append(parts[0])
-            jobs.extend(parts[1])
-    # Parts of a tensor, not whole tensors, go to the workers: uneven tensors share out evenly.
-    run_jobs(jobs, pool)
-    return cast("tuple[torch.Tensor, ...]", tuple(decoded)), tuple(encoded)  # every job has filled its slot
+    return codec, tuple(encoded)
 
 
 def _decode_whole(codec: Codec, s: TensorSpec, e: Encoded, into: list[torch.Tensor | None], i: int) -> None:
