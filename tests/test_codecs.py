@@ -269,6 +269,25 @@ def test_from_wire_accepts_memoryview_and_is_independent() -> None:
     assert torch.equal(ref, codec.decode(enc))
 
 
+@pytest.mark.parametrize("name", ["none", "bf16", "int8", "int4", "powersgd"])
+def test_from_wire_without_copy_decodes_in_place_only_where_decode_only_reads(name: str) -> None:
+    """``copy=False`` (what the wire passes: a message owns its frames) leaves the frames
+    in the received buffers for codecs whose decode returns new memory, the same values;
+    the others (``none`` decodes to a view of its frame, PowerSGD) still copy."""
+    codec = make_codec(name)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
+    enc = codec.encode(x)
+    bufs = [bytearray(b) for b in wire(enc)]
+    back = codec.from_wire(list(x.shape), enc.params, [memoryview(b) for b in bufs], copy=False)
+    assert torch.equal(codec.decode(back), codec.decode(enc))
+    shared = [f.data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(b)) for f, b in zip(back.frames, bufs) if len(b)]
+    assert shared and all(s == codec.fresh_decode for s in shared), shared
+    assert codec.fresh_decode == (name in ("bf16", "int8", "int4"))
+    if codec.fresh_decode:  # what the flag promises: the decoded value is memory of its own
+        decoded = codec.decode(back)
+        assert all(decoded.untyped_storage().data_ptr() != f.untyped_storage().data_ptr() for f in back.frames)
+
+
 def _int4_enc() -> tuple[Codec, Encoded, list[bytes]]:
     codec = make_codec("int4", block_size=64)
     enc = codec.encode(torch.randn(1000, generator=torch.Generator().manual_seed(9)))

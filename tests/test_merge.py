@@ -109,6 +109,39 @@ def test_batchnorm_variance_merges_as_pooled_variance() -> None:
     assert torch.allclose(theta_mean - d_mean, center) and torch.allclose(theta_var - d_var, pooled)
 
 
+def test_float32_sums_are_within_m_ulps_and_the_same_on_any_thread_count() -> None:
+    """The mean of float32 tensors is summed in float32, one fused multiply-add per term:
+    within M float32 ulps of the exact weighted sum of the terms' magnitudes, and the
+    same bits whatever torch's thread count (every element is summed in the same order)."""
+    from rackmend.core.merge import _CHUNK, acc_dtype
+
+    assert acc_dtype(torch.float32) == torch.float32 and acc_dtype(torch.bfloat16) == torch.float32
+    assert acc_dtype(torch.float64) == torch.float64 and acc_dtype(torch.int64) == torch.float64
+    g = torch.Generator().manual_seed(5)
+    n, m = 2 * _CHUNK + 1001, 8
+    deltas = [[torch.randn(n, generator=g) * 10.0 ** (i % 4 - 2)] for i in range(m)]  # 1e-2 .. 10, cancelling
+    weights = [1.0 + i for i in range(m)]
+    w = normalized_weights(weights)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        (one,) = merge_deltas(deltas, weights, "mean")
+        torch.set_num_threads(2)
+        (two,) = merge_deltas(deltas, weights, "mean")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    exact = sum(wm * d[0].double() for wm, d in zip(w, deltas))
+    magnitude = sum(wm * d[0].double().abs() for wm, d in zip(w, deltas))
+    err = (one.double() - exact).abs()
+    assert bool((err <= m * torch.finfo(torch.float32).eps * magnitude).all()), float((err / magnitude).max())
+    # bfloat16 inputs are summed in float32 too: the float32 merge of the same values, rounded once.
+    low = [[d[0].bfloat16()] for d in deltas]
+    (merged_low,) = merge_deltas(low, weights, "mean")
+    (merged_wide,) = merge_deltas([[d[0].float()] for d in low], weights, "mean")
+    assert merged_low.dtype == torch.bfloat16 and torch.equal(merged_low, merged_wide.bfloat16())
+
+
 @pytest.mark.parametrize("method", ["mean", "rda"])
 def test_a_worker_pool_gives_the_same_bits(method: str) -> None:
     """A driver's worker pool splits the sums into runs of chunks; every element is

@@ -28,7 +28,7 @@ from rackmend.core import (
     Tick,
 )
 from rackmend.core.fragments import pack_fragments
-from rackmend.core.records import Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
+from rackmend.core.records import Combined, Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
@@ -105,6 +105,48 @@ def test_non_finite_outer_step_is_not_committed() -> None:
     # The round goes on: the next contribution merges normally.
     (m,) = events(core.handle(contrib("a", torch.full((N,), 1e37), step=16), 1.0), Merged)
     assert m["merged"] == ["a"] and torch.isfinite(core.frags[0].theta[0]).all()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_value_is_refused_on_arrival(bad: float) -> None:
+    """Finiteness is read from the norm the guard takes anyway (a NaN or Inf makes it
+    non-finite): one read of the values, and still a refusal by name."""
+    core = make_core(learners=("a",), norm_guard=0.0)
+    t = torch.ones(N)
+    t[2] = bad
+    actions = core.handle(contrib("a", t), 0.0)
+    assert [r["code"] for r in events(actions, Rejected)] == ["non_finite"]
+    assert core.versions[0] == 0 and not events(actions, Merged)
+
+
+def test_finite_values_whose_float32_norm_overflows_are_taken() -> None:
+    """3e38 squared overflows float32: the norm is not finite, yet every value is; the
+    exact check says so and the norm is taken again in float64."""
+    from rackmend.core.syncer_fragment import contribution_norm
+
+    big = torch.full((N,), 3e38)
+    assert contribution_norm([big]) == pytest.approx(2 * 3e38, rel=1e-6)
+    core = make_core(learners=("a",), norm_guard=0.0)
+    actions = core.handle(contrib("a", big), 0.0)
+    assert not events(actions, Rejected) and events(actions, Merged)
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -3e38))
+
+
+def test_the_window_takes_the_norm_of_what_merged() -> None:
+    """A send merged as it arrived enters the guard's window with its arrival norm; a
+    learner's disjoint work merged combined enters with the norm of the sum."""
+    core = make_core(K=2, norm_guard=0.0)
+    core.handle(contrib("a", torch.tensor([3.0, 4.0, 0.0, 0.0])), 0.0)
+    core.handle(contrib("b", torch.tensor([0.0, 0.0, 6.0, 8.0])), 0.0)
+    assert core.versions[0] == 1 and list(core.frags[0].norms) == [5.0, 10.0]
+    # b: a send on version 1 (4 steps since applying it at step 12), then, late, the one
+    # it made on version 0 at step 12: disjoint work.
+    core.handle(contrib("b", torch.tensor([1.0, 0.0, 0.0, 0.0]), base=1, step=16, steps=4), 1.0)
+    acts = core.handle(contrib("b", torch.tensor([0.0, 2.0, 0.0, 0.0]), base=0, step=12, steps=4), 1.0)
+    assert events(acts, Combined) and not events(acts, Merged)
+    acts = core.handle(contrib("a", torch.tensor([0.0, 0.0, 0.0, 2.0]), base=1, step=16), 1.5)
+    assert events(acts, Merged)[0]["merged"] == ["a", "b"]
+    assert list(core.frags[0].norms)[2:] == [2.0, pytest.approx(math.sqrt(5.0))]
 
 
 # ------------------------------------------------------------------ 2: the norm guard

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["empty_float32", "scratch", "KEEP_BYTES"]
+__all__ = ["empty_float32", "clone_float32", "scratch", "KEEP_BYTES"]
 
 KEEP_BYTES = 4 << 30
 """Most bytes of buffers kept (busy or idle). The buffers kept are at most the most of
@@ -80,6 +80,13 @@ def empty_float32(n: int, device: torch.device) -> torch.Tensor:
             same.append(buf)
             _kept_bytes += 4 * n
         return buf.view(n)
+
+
+def clone_float32(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``; of a float32 one in a kept buffer (``empty_float32``)."""
+    if t.dtype != torch.float32:
+        return t.clone()
+    return empty_float32(t.numel(), t.device).view(t.shape).copy_(t)
 
 
 def scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ bytes have precisely the length the parameters imply. Nothing is unpickled.
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
@@ -164,6 +165,9 @@ class Codec(ABC):
     """Stable small integer for compact headers: none=0, bf16=1, int8=2, int4=3, powersgd=4."""
     lossless: ClassVar[bool]
     """True when decode(encode(x)) == x always; error feedback keeps no residual then."""
+    fresh_decode: ClassVar[bool] = False
+    """True when ``decode`` only reads the frames and returns new memory, so received
+    frames may be decoded where they lie (``from_wire(copy=False)``)."""
 
     # -- what subclasses implement ------------------------------------------------
     @abstractmethod
@@ -233,13 +237,17 @@ class Codec(ABC):
         return self._layout(check_shape(shape), params)
 
     def from_wire(
-        self, shape: Sequence[int], params: Mapping[str, Any], buffers: Sequence[bytes | bytearray | memoryview]
+        self, shape: Sequence[int], params: Mapping[str, Any], buffers: Sequence[bytes | bytearray | memoryview],
+        copy: bool = True,
     ) -> Encoded:
         """Rebuild an :class:`Encoded` from received bytes, after checking them.
 
         Each buffer's byte length must equal its frame's layout exactly; the bytes are
-        copied (so the result is writable and independent of the receive buffer) and
-        reinterpreted with ``torch.frombuffer``. Frames land on the CPU.
+        reinterpreted with ``torch.frombuffer``, on the CPU. They are copied, so the
+        result is writable and independent of the receive buffer, unless ``copy`` is
+        False and the codec's decode only reads them (``fresh_decode``): then the frames
+        are the buffers themselves (which the caller must leave unchanged while the
+        result lives), saving a copy of every byte received.
         """
         shape_t = check_shape(shape)
         layout = self._layout(shape_t, params)
@@ -260,7 +268,14 @@ class Codec(ABC):
                     f"{self.name}: frame {i} has {view.nbytes} bytes, expected {want} "
                     f"({n} x {dtype}) for shape {shape_t} and params {dict(params)}"
                 )
-            frames.append(torch.frombuffer(bytearray(view), dtype=dtype) if n else torch.empty(0, dtype=dtype))
+            if not n:
+                frames.append(torch.empty(0, dtype=dtype))
+            elif copy or not self.fresh_decode:
+                frames.append(torch.frombuffer(bytearray(view), dtype=dtype))
+            else:
+                with warnings.catch_warnings():  # a read-only buffer is fine: decode only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    frames.append(torch.frombuffer(view, dtype=dtype))
         enc = Encoded(codec=self.name, shape=shape_t, params=dict(params), frames=tuple(frames))
         self._check_frame_values(enc)
         return enc

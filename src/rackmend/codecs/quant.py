@@ -97,6 +97,7 @@ class BF16Codec(Codec):
     name: ClassVar[str] = "bf16"
     codec_id: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
+    fresh_decode: ClassVar[bool] = True
 
     def wire_params(self, shape: tuple[int, ...]) -> dict[str, ParamValue]:
         return {}
@@ -183,6 +184,7 @@ class _BlockQuantCodec(Codec):
     decodes to zeros; this also makes all-zero blocks exact and never NaN.
     """
 
+    fresh_decode: ClassVar[bool] = True
     qmax: ClassVar[int]
     q_dtype: ClassVar[torch.dtype]
     unit: ClassVar[int]

@@ -1,8 +1,11 @@
 """Contribution weights and the merge of outer gradients (mean and radial-directional).
 
-Inputs arrive already in canonical order (sorted learner id); sums accumulate in
-float64 so the result does not depend on arrival order or on fp32 rounding of
-partial sums. No state, no I/O, no threads of its own: a driver may pass an
+Inputs arrive already in canonical order (sorted learner id) and every element is
+summed in that order, so the result does not depend on arrival order. The mean of
+float32 (or narrower) tensors is summed in float32 with one fused multiply-add per
+term (``acc_dtype``): DESIGN §1 asks for fp32 or wider, and float64 sums cost more than
+twice the time for no difference Theta can hold (docs/capacity.md). Norms, the
+radial-directional merge and the pooled variance stay in float64 (``ACC_DTYPE``). No state, no I/O, no threads of its own: a driver may pass an
 ``Executor`` (``pool``), over which the sums spread as contiguous ranges of elements.
 Every element is summed in the same order either way, so the result is the same bits
 with or without a pool, with any number of workers.
@@ -27,10 +30,24 @@ from rackmend.buffers import empty_float32, scratch
 from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
 __all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "parallel_ranges",
-           "run_jobs", "ACC_DTYPE"]
+           "run_jobs", "ACC_DTYPE", "acc_dtype"]
 
 ACC_DTYPE = torch.float64
-"""Accumulation dtype of every merge sum."""
+"""Accumulation dtype of the norms, the radial-directional merge and the pooled variance."""
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the weighted mean of ``dtype`` tensors is summed in: float32 for float32 and
+    narrower floats, float64 for float64 and integer buffers.
+
+    Why float32 is enough: each term goes in with one rounding (a fused multiply-add), so
+    the sum of M terms is off by at most about M float32 ulps of the largest term, an
+    outer gradient's; Theta, which that gradient moves, is itself float32 and far larger.
+    Why not float64: converting every float32 value costs the sums 2.2x the time with
+    one thread (``benchmarks/syncer_capacity.py``)."""
+    if dtype == torch.float64 or not (dtype.is_floating_point or dtype.is_complex):
+        return torch.float64
+    return torch.float32
 
 
 def contribution_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
@@ -89,33 +106,36 @@ def normalized_weights(weights: Sequence[float], absent: float = 0.0) -> list[fl
 
 
 _CHUNK = 1 << 18
-"""Elements per accumulation chunk: a float64 accumulator of this size (2 MiB) stays in
-cache, which makes the mixed-dtype adds run several times faster than over whole
-tensors; 256k rather than 64k elements makes 4x fewer Python calls per merge
+"""Elements per accumulation chunk: an accumulator of this size (1 MiB in float32) stays
+in cache while every learner's piece is added to it, instead of a pass over memory per
+learner; 256k rather than 64k elements makes 4x fewer Python calls per merge
 (``benchmarks/syncer_capacity.py`` measures the merge)."""
 
 
 def _weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,
                   pool: Executor | None = None) -> torch.Tensor:
-    """sum_m w_m t_m, accumulated in ACC_DTYPE chunk by chunk, returned in ``dtype``;
-    with ``pool``, each worker sums its own contiguous run of chunks, an accumulator in its
-    core's cache (meant for many-core hosts, where torch's own threads would split every
-    chunk's add over all the cores; on 2 cores no faster than those, docs/capacity.md)."""
+    """sum_m w_m t_m in ``dtype``, summed chunk by chunk in ``acc_dtype(dtype)`` (float32
+    sums go straight into the result); with ``pool``, each worker sums its own
+    contiguous run of chunks, an accumulator in its core's cache (meant for many-core
+    hosts, where torch's own threads would split every chunk's add over all the cores;
+    on 2 cores no faster than those, docs/capacity.md)."""
     flat = [t.reshape(-1) for t in tensors]
     n, dev = tensors[0].numel(), tensors[0].device
     # A float32 result lives for one outer step: the memory of an earlier one, where idle.
     out_flat = empty_float32(n, dev) if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=dev)
     out = out_flat.view(tensors[0].shape)
+    acc_type = acc_dtype(dtype)
 
     def run(lo: int, hi: int) -> None:
-        acc = scratch("merge_acc", min(hi - lo, _CHUNK), ACC_DTYPE, out.device)
+        acc = None if acc_type == dtype else scratch("merge_acc", min(hi - lo, _CHUNK), acc_type, out.device)
         for start in range(lo, hi, _CHUNK):
             end = min(hi, start + _CHUNK)
-            a = acc[: end - start]
+            a = out_flat[start:end] if acc is None else acc[: end - start]
             a.zero_()
             for t, w in zip(flat, weights):
                 a.add_(t[start:end], alpha=w)
-            out_flat[start:end].copy_(a)
+            if acc is not None:
+                out_flat[start:end].copy_(a)
 
     parallel_ranges(run, n, pool)
     return out

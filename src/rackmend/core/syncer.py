@@ -647,25 +647,27 @@ class SyncerCore:
                 f"max_staleness {self.config.syncer.max_staleness}", actions,
             )
             return None
-        if not all(_finite(t) for t in c.tensors):
+        norm = contribution_norm(c.tensors, self.pool)  # NaN: a value is not finite
+        if math.isnan(norm):
             self._reject(c, now, "non_finite", "non-finite values (NaN or Inf)", actions)
             return None
         problem = self._check_sequence(c)
         if problem:
             self._reject(c, now, "replay", problem, actions)
             return None
-        guarded = self._guard(c, now, actions)
+        guarded = self._guard(c, norm, now, actions)
         if guarded is None:
             return None
         rnd = frag.round
         lid = c.learner_id
         if guarded is not c:
             rnd.clipped.add(lid)
+        accepted_norm = norm if guarded is c else None
         c = guarded
         self._note_sequence(c)
         old = rnd.pending.get(lid)
         if old is None:
-            rnd.pending[lid] = c
+            rnd.pend(lid, c, accepted_norm)
         elif c.step <= old.step and (c.step == old.step or contains(old, c)):
             # A repeat, or an older send arriving late whose work the pending one holds.
             actions.append(Superseded(t=now, learner=lid, fragment=p, step=c.step, by_step=old.step,
@@ -676,12 +678,13 @@ class SyncerCore:
             # loses nothing (older disjoint work in ``carried`` stays).
             actions.append(Superseded(t=now, learner=lid, fragment=p, step=old.step, by_step=c.step,
                                       base_version=old.base_version, by_base_version=c.base_version))
-            rnd.pending[lid] = c
+            rnd.pend(lid, c, accepted_norm)
         else:
             # Disjoint work (the learner applied a merged value between the sends): both merge.
             older, newer = (old, c) if old.step < c.step else (c, old)
             rnd.carry(lid, older, self._bytes_in(p, older))
-            rnd.pending[lid] = newer
+            if newer is c:
+                rnd.pend(lid, c, accepted_norm)
             actions.append(Combined(
                 t=now, learner=lid, fragment=p, steps=(older.step, newer.step),
                 base_versions=(older.base_version, newer.base_version),
@@ -742,9 +745,9 @@ class SyncerCore:
                 del retired[old]
         self.sequences[key] = (c.session, c.seq)
 
-    def _guard(self, c: Contribution, now: float, actions: list[Action]) -> Contribution | None:
-        """``c``, clipped to its bound when above it; None (rejected) when its norm cannot
-        even be computed. The bound is ``norm_guard`` x the fragment's scale (the lower
+    def _guard(self, c: Contribution, norm: float, now: float, actions: list[Action]) -> Contribution | None:
+        """``c`` (of finite values, L2 norm ``norm``), clipped to its bound when above it;
+        None (rejected) when its norm overflows float64. The bound is ``norm_guard`` x the fragment's scale (the lower
         median of recent merged norms, grown by at most ``GUARD_GROWTH`` per merge) x the
         work ``c`` holds in units of the usual: its steps over the usual, plus one
         usual period per version its base is behind (a learner whose updates stopped
@@ -752,7 +755,6 @@ class SyncerCore:
         ``GUARD_STEPS_CAP``. Nothing here changes the scale: norms enter the window when
         they are merged (``SyncerFragment.note_norms``), so a burst of sends within a
         round cannot move it."""
-        norm = contribution_norm(c.tensors, self.pool)
         if not math.isfinite(norm):
             self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
@@ -942,8 +944,11 @@ class SyncerCore:
         ids = sorted(rnd.pending)
         contribs = [rnd.effective(i) for i in ids]
         anchored = [self._anchored(frag, c) for c in contribs]
-        # Each send was finite on arrival, but a combined sum or a re-anchored one can overflow.
-        bad = [i for i, a in zip(ids, anchored) if not all(_finite(t) for t in a)]
+        # Each send was finite on arrival, but a combined sum or a re-anchored one can
+        # overflow: those are checked again, a send merged as it arrived is not.
+        bad = [i for i, c, a in zip(ids, contribs, anchored)
+               if not (rnd.pending[i] is c and all(x is y for x, y in zip(a, c.tensors)))
+               and not all(_finite(t) for t in a)]
         if bad:
             self._drop(p, now, bad, "non-finite after combining or re-anchoring", actions)
             keep = [k for k, i in enumerate(ids) if i not in bad]

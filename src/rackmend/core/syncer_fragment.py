@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from rackmend.buffers import clone_float32
 from rackmend.codecs.base import Encoded
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, Update
@@ -111,17 +112,25 @@ def check_tensors(spec: FragmentSpec, tensors: Sequence[torch.Tensor]) -> str | 
 
 
 def contribution_norm(tensors: Sequence[torch.Tensor], pool: Executor | None = None) -> float:
-    """L2 norm over all of a contribution's tensors, added up in float64; with
-    ``pool``, one tensor per worker at a time (the same value: each tensor's norm is
-    computed whole, and they are added in order)."""
+    """L2 norm over all of a contribution's tensors, added up in float64; NaN when a value
+    is NaN or infinite, inf when the finite values' norm overflows float64. One read of
+    each tensor proves it finite too (a NaN or Inf makes its norm non-finite), so the
+    syncer checks finiteness with the norm it needs anyway. With ``pool``, one tensor per
+    worker at a time (the same value: each tensor's norm is computed whole, and they are
+    added in order)."""
     def one(t: torch.Tensor) -> float:
         if not t.numel():
             return 0.0
         # float32 first: torch's float64 norm of a float32 tensor converts element by
         # element at ~1 GB/s, 25x slower; the guard needs the magnitude, not the last
-        # bits. A sum of squares past float32's range is taken again in float64.
+        # bits. Only a norm that is not finite needs more: the exact check, then, for
+        # finite values whose squares overflow float32, the norm again in float64.
         n = float(torch.linalg.vector_norm(t))
-        return n * n if math.isfinite(n) else float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+        if math.isfinite(n):
+            return n * n
+        if not bool(torch.isfinite(t).all()):
+            return math.nan
+        return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
 
     total = 0.0
     for sq in (pool.map(one, tensors) if pool is not None and len(tensors) > 1 else map(one, tensors)):
@@ -187,6 +196,21 @@ class Round:
     clipped: set[str] = field(default_factory=set)
     """Learners with a send clipped by the norm guard this round: their merged norm stays
     out of the guard's window (else sends just under the bound would ratchet it up)."""
+    norms: dict[str, float] = field(default_factory=dict)
+    """Per learner, the norm its ``pending`` send arrived with (finite, not clipped), so
+    a merge that takes that send as it is reads its values once, not three times."""
+
+    def pend(self, lid: str, c: Contribution, norm: float | None) -> None:
+        """Make ``c`` ``lid``'s newest send, with the norm it was accepted at (None: unknown)."""
+        self.pending[lid] = c
+        if norm is None:
+            self.norms.pop(lid, None)
+        else:
+            self.norms[lid] = norm
+
+    def known_norm(self, lid: str, c: Contribution) -> float | None:
+        """The arrival norm of ``c`` when it is ``lid``'s pending send itself (not combined)."""
+        return self.norms.get(lid) if self.pending.get(lid) is c else None
 
     def effective(self, lid: str) -> Contribution:
         """What is merged for ``lid``: its newest send plus any older disjoint work."""
@@ -203,6 +227,7 @@ class Round:
     def drop(self, lid: str) -> None:
         """Forget everything pending of ``lid``."""
         self.pending.pop(lid, None)
+        self.norms.pop(lid, None)
         self.carried.pop(lid, None)
         self.carried_bytes.pop(lid, None)
 
@@ -250,9 +275,11 @@ class SyncerFragment:
 
     # ------------------------------------------------------------------ value
     def snapshot(self, delta: tuple[Encoded, ...] | None = None) -> Update:
-        """The current value as an ``Update`` (copied), remembered as ``current``."""
-        self.current = Update(self.index, self.version, tuple(t.clone() for t in self.theta), epoch=self.epoch,
-                              delta=delta)
+        """The current value as an ``Update`` (copied, into memory an earlier snapshot no
+        longer uses where there is some: a fresh copy faults in every page), remembered as
+        ``current``."""
+        self.current = Update(self.index, self.version, tuple(clone_float32(t) for t in self.theta),
+                              epoch=self.epoch, delta=delta)
         return self.current
 
     def value_at(self, version: int) -> list[torch.Tensor]:
@@ -319,7 +346,9 @@ class SyncerFragment:
         for lid, c in zip(ids, contribs):
             if lid in self.round.clipped:
                 continue
-            norm = contribution_norm(c.tensors, pool)
+            norm = self.round.known_norm(lid, c)
+            if norm is None:
+                norm = contribution_norm(c.tensors, pool)
             if norm > 0 and math.isfinite(norm):  # a zero delta says nothing about the scale
                 self.norms.append(norm)
                 if c.c_steps > 0:

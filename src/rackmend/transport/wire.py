@@ -596,7 +596,8 @@ def _checked_encoded(msg: Message, spec: FragmentSpec, codec_id: int, meta: list
             raise WireError(f"{s.name}: expected float32 {list(s.shape)}, "
                             f"got {str(m.get('dtype'))[:20]} {str(m.get('shape'))[:60]}")
         try:
-            encoded.append(codec.from_wire(s.shape, m.get("params"), msg.frames[start:start + n]))
+            # In place where the codec allows: a message owns its frames, nobody changes them.
+            encoded.append(codec.from_wire(s.shape, m.get("params"), msg.frames[start:start + n], copy=False))
         except CodecError as exc:  # cut: the text may quote attacker-chosen parameter names
             raise WireError(f"{s.name}: {str(exc)[:500]}") from None
         start += n
