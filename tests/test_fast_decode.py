@@ -168,3 +168,26 @@ def test_a_buffer_is_reused_only_when_nothing_holds_it() -> None:
         again = [buffers.empty_float32(n, cpu) for _ in range(2)]  # both idle now: the two come back
         assert ptr in {a.data_ptr() for a in again}, f"not reused once {what} was dropped"
         del again
+
+
+@pytest.mark.skipif(buffers._idle is None, reason="this torch counts storage references differently: no recycling")
+def test_each_snapshot_copies_into_a_buffer_no_earlier_update_still_holds() -> None:
+    """The value sent after each merge is a copy in a kept buffer: an ``Update`` a
+    learner (or the outbox) still holds keeps its values; once dropped, its memory
+    serves a later snapshot."""
+    from rackmend.config import SyncerConfig
+    from rackmend.core.syncer_fragment import SyncerFragment
+
+    spec = FragmentSpec(0, 0, (TensorSpec("w", (23456,), torch.float32),))  # a size no other test asks for
+    frag = SyncerFragment(0, spec, [torch.zeros(23456)], SyncerConfig().build_outer_optimizer, 1, keep_history=False)
+    held = frag.snapshot()
+    ptr = held.tensors[0].data_ptr()
+    assert ptr in {b.data_ptr() for b in buffers._kept.get(23456, [])}, "not a kept buffer"
+    frag.theta[0].fill_(2.0)
+    second = frag.snapshot()
+    assert second.tensors[0].data_ptr() != ptr and torch.equal(held.tensors[0], torch.zeros(23456))
+    del held
+    frag.theta[0].fill_(3.0)
+    third = frag.snapshot()
+    assert third.tensors[0].data_ptr() == ptr and torch.equal(third.tensors[0], torch.full((23456,), 3.0))
+    assert torch.equal(second.tensors[0], torch.full((23456,), 2.0))

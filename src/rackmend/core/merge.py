@@ -5,8 +5,10 @@ summed in that order, so the result does not depend on arrival order. The mean o
 float32 (or narrower) tensors is summed in float32 with one fused multiply-add per
 term (``acc_dtype``): DESIGN §1 asks for fp32 or wider, and float64 sums cost more than
 twice the time for no difference Theta can hold (docs/capacity.md). Norms, the
-radial-directional merge and the pooled variance stay in float64 (``ACC_DTYPE``). No state, no I/O, no threads of its own: a driver may pass an
-``Executor`` (``pool``), over which the sums spread as contiguous ranges of elements.
+radial-directional merge and the pooled variance stay in float64 (``ACC_DTYPE``).
+
+No state, no I/O, no threads of its own: a driver may pass an ``Executor`` (``pool``),
+over which the sums spread as contiguous ranges of elements.
 Every element is summed in the same order either way, so the result is the same bits
 with or without a pool, with any number of workers.
 

@@ -747,8 +747,8 @@ class SyncerCore:
 
     def _guard(self, c: Contribution, norm: float, now: float, actions: list[Action]) -> Contribution | None:
         """``c`` (of finite values, L2 norm ``norm``), clipped to its bound when above it;
-        None (rejected) when its norm overflows float64. The bound is ``norm_guard`` x the fragment's scale (the lower
-        median of recent merged norms, grown by at most ``GUARD_GROWTH`` per merge) x the
+        None (rejected) when its norm overflows float64. The bound is ``norm_guard`` x
+        the fragment's scale (the lower median of recent merged norms, grown by at most ``GUARD_GROWTH`` per merge) x the
         work ``c`` holds in units of the usual: its steps over the usual, plus one
         usual period per version its base is behind (a learner whose updates stopped
         arriving sends the drift since its base every time), at least 1 and at most
