@@ -51,9 +51,8 @@ import torch
 
 from _common import finish, parser, summary
 from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
-from rackmend.codecs import make_codec
+from rackmend.codecs import Encoded, make_codec
 from rackmend.core import Contribution, ContributionArrived, FragmentSpec, LearnerJoined, SyncerCore, TensorSpec
-from rackmend.codecs import Encoded
 from rackmend.core.merge import _CHUNK as MERGE_CHUNK  # the merge's own chunk: the sums run as its do
 from rackmend.core.merge import contribution_weight, merge_deltas
 from rackmend.transport import wire

@@ -3,7 +3,7 @@
 Inputs arrive already in canonical order (sorted learner id) and every element is
 summed in that order, so the result does not depend on arrival order. The mean of
 float32 (or narrower) tensors is summed in float32 with one fused multiply-add per
-term (``acc_dtype``): DESIGN §1 asks for fp32 or wider, and float64 sums cost more than
+term (``acc_dtype``): DESIGN §1 asks for fp32 or wider, and float64 sums took about
 twice the time for no difference Theta can hold (docs/capacity.md). Norms, the
 radial-directional merge and the pooled variance stay in float64 (``ACC_DTYPE``).
 
@@ -38,18 +38,19 @@ ACC_DTYPE = torch.float64
 """Accumulation dtype of the norms, the radial-directional merge and the pooled variance."""
 
 
+_FLOAT32_SUMS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the weighted mean of ``dtype`` tensors is summed in: float32 for float32 and
-    narrower floats, float64 for float64 and integer buffers.
+    narrower floats, float64 for anything else (float64, integer buffers).
 
     Why float32 is enough: each term goes in with one rounding (a fused multiply-add), so
     the sum of M terms is off by at most about M float32 ulps of the largest term, an
     outer gradient's; Theta, which that gradient moves, is itself float32 and far larger.
-    Why not float64: converting every float32 value costs the sums 2.2x the time with
-    one thread (``benchmarks/syncer_capacity.py``)."""
-    if dtype == torch.float64 or not (dtype.is_floating_point or dtype.is_complex):
-        return torch.float64
-    return torch.float32
+    Why not float64: converting every float32 value made merge + outer step take 1.9-2.0x
+    as long with one thread (``benchmarks/syncer_capacity.py``, docs/capacity.md)."""
+    return torch.float32 if dtype in _FLOAT32_SUMS else torch.float64
 
 
 def contribution_weight(weighting: str, c_tokens: float, c_steps: int) -> float:
