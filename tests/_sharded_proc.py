@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import VOCAB, batch, make_inner, make_model  # noqa: E402
+from rackstate import save_held  # noqa: E402
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig  # noqa: E402
 from rackmend.transport.zmq_link import ZmqLink  # noqa: E402
@@ -245,14 +246,7 @@ def main() -> int:
     if a.out and rank == 0:
         save_file(whole, str(a.out))
     if a.held_out:
-        saved = {"versions": torch.tensor(opt.versions)}
-        for f, held in zip(opt.fragments, opt.held):
-            for i, value in enumerate(held):
-                block = opt.core.fragments[f.index].pieces[i]
-                saved[f"held/{f.index}/{i}"] = value.contiguous().clone()
-                place = [*block.offsets, *block.shape] if block is not None else []
-                saved[f"place/{f.index}/{i}"] = torch.tensor(place, dtype=torch.int64)
-        save_file(saved, f"{a.held_out}.{rank}")
+        save_held(opt, f"{a.held_out}.{rank}")
     dist.destroy_process_group()
     return 0
 

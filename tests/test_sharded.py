@@ -25,6 +25,7 @@ from rackmend.transport import wire
 
 from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model
 from procs import Procs, descendants, events, finish, of, progress, wait_for
+from rackstate import assert_held_equal_syncer
 from reference import reference_run
 
 SHARDED = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -75,27 +76,6 @@ def test_two_fsdp2_racks_equal_the_single_process_reference(procs: Procs, tmp_pa
     assert_files_equal_reference(tmp_path, ids, _reference(ids))
 
 
-def _held_equal_syncer(tmp: Path, lid: str, ranks: int, checkpoint: dict[str, torch.Tensor]) -> None:
-    """Every rank of ``lid`` holds, of each fragment, its blocks of the syncer's value of
-    the version it holds (the checkpoint's history), bit for bit; all ranks hold one version."""
-    files = [load_file(f"{tmp}/{lid}.held.{r}") for r in range(ranks)]
-    versions = files[0]["versions"].tolist()
-    assert all(f["versions"].tolist() == versions for f in files), "the ranks hold different versions"
-    for p, v in enumerate(versions):
-        assert v >= 3, f"{lid} holds fragment {p} at version {v} only"
-        i = 0
-        while f"history/{p}/{v}/{i}" in checkpoint:
-            whole = checkpoint[f"history/{p}/{v}/{i}"]
-            for r, f in enumerate(files):
-                place = f[f"place/{p}/{i}"].tolist()
-                if place:  # a rank may hold nothing of a small tensor (uneven shards)
-                    nd = len(place) // 2
-                    block = whole[tuple(slice(o, o + s) for o, s in zip(place[:nd], place[nd:]))]
-                    assert torch.equal(f[f"held/{p}/{i}"], block), f"{lid} rank {r} holds fragment {p}.{i} unlike the syncer"
-            i += 1
-        assert i > 0, f"the checkpoint has no history of fragment {p} version {v}"
-
-
 def _sharded_beside_plain(procs: Procs, tmp_path: Path, ranks: int, mode: str, timeout: float) -> list[str]:
     """A sharded rack l0 (``ranks`` ranks of ``mode``) beside a plain rack l1, deterministic,
     through a checkpointing syncer: both finish, the syncer stops cleanly, every fragment
@@ -113,7 +93,8 @@ def _sharded_beside_plain(procs: Procs, tmp_path: Path, ranks: int, mode: str, t
     syncer.send_signal(signal.SIGTERM)
     assert syncer.wait(30) == 0
     assert len(_merges(tmp_path, ids)) >= P * 3
-    _held_equal_syncer(tmp_path, "l0", ranks, load_file(str(ck / "syncer.safetensors")))
+    held = [f"{tmp_path}/l0.held.{r}" for r in range(ranks)]
+    assert_held_equal_syncer(held, load_file(str(ck / "syncer.safetensors")))
     return ids
 
 
@@ -181,7 +162,8 @@ def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs:
     assert not events(tmp_path, PieceDropped, Rejected, BadMessage)
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
-    _held_equal_syncer(tmp_path, "l0", 2, load_file(str(ck / "syncer.safetensors")))
+    held = [f"{tmp_path}/l0.held.{r}" for r in range(2)]
+    assert_held_equal_syncer(held, load_file(str(ck / "syncer.safetensors")))
 
 
 def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_path: Path) -> None:
