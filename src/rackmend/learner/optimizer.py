@@ -68,6 +68,7 @@ from rackmend.core.learner import (
 )
 from rackmend.core.messages import MomentUpdate, Update
 from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_differences
+from rackmend.learner.binding import Mismatch, compare, launcher, local_of, sharding
 from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
 from rackmend.learner.sending import SendThread
@@ -165,8 +166,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
         refuse_fsdp1(model)
         self.fragments = fragments or pack_fragments(model, sch.num_fragments, sch.sync_every, sch.packing,
                                                      buffers=sch.sync_buffers)
-        self._pieces = RackPieces(self.fragments, fragment_tensors(model, self.fragments), process_group)
+        tensors = fragment_tensors(model, self.fragments)
+        self._pieces = RackPieces(self.fragments, tensors, process_group)
         """This rank's blocks of each fragment and how copies reach the other ranks."""
+        self._shardings = [[sharding(t) for t in ts] for ts in tensors]
+        """Per fragment and tensor, its DTensor placements when built ('none': plain)."""
         self._pieces.check_learner_id(learner_id)
         self._params: list[list[torch.Tensor]] = self._pieces.local
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
@@ -192,6 +196,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Inside ``step``: it orders the next inner step after this step's snapshot copies."""
         self._model_checked = False
         """The first step has checked that the model still holds the tensors rackmend works on."""
+        self._moves_followed = False
+        """The first step has taken views anew of tensors a launcher moved (``_follow_moves``)."""
         devices = sorted({str(t.device) for ts in self._params for t in ts if t.is_cuda})
         if len(devices) > 1:
             # The snapshot copies and their events are made on one device's streams; a
@@ -308,6 +314,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """One inner step, then rackmend's per-step bookkeeping (never waits on peers
         except in deterministic mode). ``tokens``: what this rank trained on in this step
         (see the class docstring for callers that cannot pass it)."""
+        if not self._moves_followed:  # before the inner step, while moved values still equal the views'
+            self._follow_moves()
         if self._rebased is not None:
             self._check_not_overwritten()
         if self._cuda is not None:
@@ -415,32 +423,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         reading and writing values the training does not use, with no error anywhere."""
         # First, on every rank alike (a collective): whether the rack keeps its copies equal.
         refuse_differing_copies(self._pieces.differing_copies())
-        try:
-            current = fragment_tensors(self.model, self.fragments)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc}. The model changed after RackmendOptimizer was built (a parameter frozen, "
-                              "renamed or removed: only parameters with requires_grad are synchronised); change it "
-                              "first, then build the inner optimizer and RackmendOptimizer") from None
-        with torch.no_grad():
-            for spec, built, now in zip(self.fragments, self._params, current):
-                for t, held, tensor in zip(spec.tensors, built, now):
-                    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
-                    changed = [f"{what} {a} -> {b}" for what, a, b in (
-                        ("device", held.device, local.device), ("dtype", held.dtype, local.dtype),
-                        ("shape", list(held.shape), list(local.shape))) if a != b]
-                    if not changed and local.data_ptr() != held.data_ptr():
-                        changed = ["its memory (a tensor assigned anew)"]
-                    if changed:
-                        kind = "buffer" if t.is_buffer else "parameter"
-                        raise ConfigError(
-                            f"the model's {kind} {t.name} is not the tensor RackmendOptimizer was built on "
-                            f"({', '.join(changed)}): the model changed after the optimizer was built (model.to(), "
-                            ".half(), fully_shard, parallelize_module, a tensor assigned anew), so rackmend would "
-                            "read and write tensors the training no longer uses. Move, cast and shard the model "
-                            "first, then build the inner optimizer and RackmendOptimizer"
-                            + (" (a module that assigns this buffer anew at each forward, instead of updating it in "
-                               "place, cannot have it synchronised: ScheduleConfig(sync_buffers=False) keeps "
-                               "buffers local)" if t.is_buffer else ""))
+        current = self._current_tensors()
+        mismatches = compare(self.fragments, self._params, self._shardings, current)
+        if mismatches:  # replaced after the check before the inner step: by the inner step itself
+            raise self._refusal(mismatches)
         stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
         synced = [tensor for spec, ts in zip(self.fragments, current) for t, tensor in zip(spec.tensors, ts)
                   if not t.is_buffer]
@@ -457,6 +443,76 @@ class RackmendOptimizer(torch.optim.Optimizer):
                         "learner alone. Pass the whole model if they should be merged", self.learner_id,
                         len(foreign), [list(p.shape) for p in foreign[:4]], " ..." if len(foreign) > 4 else "")
         self._model_checked = True  # last: a step retried after a refusal checks again
+
+    def _current_tensors(self) -> list[list[torch.Tensor]]:
+        """The model's tensors of each fragment now; ConfigError if one is gone."""
+        try:
+            return fragment_tensors(self.model, self.fragments)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}. The model changed after RackmendOptimizer was built (a parameter frozen, "
+                              "renamed or removed: only parameters with requires_grad are synchronised); change it "
+                              "first, then build the inner optimizer and RackmendOptimizer") from None
+
+    def _follow_moves(self) -> None:
+        """At the first step, before the inner step: take views anew of tensors that a
+        launcher gave new memory with the same device, dtype, shape, sharding and values
+        since this optimizer was built (``accelerator.prepare(model)`` on several CPU ranks
+        copies the model to ``cpu:0``); raise for any other change (``binding.compare``), or
+        when the inner optimizer still steps a parameter's old tensor. Never trains on
+        stale views: without this the training would go on in memory rackmend never reads."""
+        current = self._current_tensors()
+        mismatches = compare(self.fragments, self._params, self._shardings, current)
+        changed = [m for m in mismatches if m.changes]
+        if changed:
+            raise self._refusal(changed)
+        stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
+        unstepped = [m for m in mismatches
+                     if not m.spec.is_buffer and id(current[m.fragment][m.index]) not in stepped]
+        if unstepped:
+            names = ", ".join(m.spec.name for m in unstepped[:3]) + (" ..." if len(unstepped) > 3 else "")
+            raise ConfigError(
+                f"the model's parameter {names} is not the tensor RackmendOptimizer was built on (its memory (a "
+                "tensor assigned anew)), and the inner optimizer still steps the old tensor, so the training would "
+                f"never update it{self._under()}. Assign or replace parameters first, then build the inner "
+                "optimizer from model.parameters() and RackmendOptimizer")
+        if mismatches:
+            old = {id(self._params[m.fragment][m.index]) for m in mismatches}
+            for m in mismatches:
+                self._params[m.fragment][m.index] = local_of(current[m.fragment][m.index])
+            if self._rebased is not None:  # the rebase's check follows the tensors too
+                self._rebased = [(t, v) for t, v in self._rebased if id(t) not in old] + [
+                    (self._params[m.fragment][m.index], self._params[m.fragment][m.index]._version)
+                    for m in mismatches if not m.spec.is_buffer]
+            if self._moment_params:
+                self._moment_params = self._check_desloc()
+            log.info("learner %s: %d of the model's tensors moved to new memory (same values and layout) after "
+                     "RackmendOptimizer was built%s; rackmend follows them", self.learner_id, len(mismatches),
+                     self._under())
+        self._moves_followed = True
+
+    @staticmethod
+    def _under() -> str:
+        who = launcher()
+        return f"; this step runs under {who}" if who else ""
+
+    def _refusal(self, mismatches: list[Mismatch]) -> ConfigError:
+        """The error for tensors changed since the optimizer was built, naming the first,
+        what changed, and the trainer on the call stack when there is one."""
+        m = mismatches[0]
+        kind = "buffer" if m.spec.is_buffer else "parameter"
+        more = f" (and {len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""
+        who = launcher()
+        cause = (f"this step runs under {who}" if who else
+                 "the model changed after the optimizer was built (model.to(), .half(), fully_shard, "
+                 "parallelize_module, a tensor assigned anew)")
+        return ConfigError(
+            f"the model's {kind} {m.spec.name} is not the tensor RackmendOptimizer was built on "
+            f"({', '.join(m.changes) or 'its memory (a tensor assigned anew)'}){more}: {cause}, so rackmend would read and write tensors the training no "
+            "longer uses. Move, cast and shard the model first, then build the inner optimizer and "
+            "RackmendOptimizer"
+            + (" (a module that assigns this buffer anew at each forward, instead of updating it in place, cannot "
+               "have it synchronised: ScheduleConfig(sync_buffers=False) keeps buffers local)" if m.spec.is_buffer
+               else ""))
 
     def _check_not_overwritten(self) -> None:
         changed = [t for t, v in self._rebased or () if t._version != v]
@@ -499,6 +555,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bookkeeping after one inner step; ``step`` calls it for you. A loop that steps
         the inner optimizer itself calls this after each of its steps (on CUDA it then
         orders the device's next writes after this step's snapshot copies)."""
+        if not self._moves_followed:  # the caller stepped the inner optimizer itself
+            self._follow_moves()
         if not self._model_checked:  # after the first inner step: whether it kept the rack's copies equal
             self._check_model()
         core = self.core
