@@ -25,6 +25,9 @@ from torch.utils.data import Dataset
 
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
 
+sys.path.insert(0, str(Path(__file__).parent))
+from rackstate import save_held  # noqa: E402
+
 VOCAB, SEQ, BATCH = 64, 16, 4
 
 
@@ -78,6 +81,18 @@ class PadRecorder:
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class StopAt(transformers.TrainerCallback):
+    """Stops training after step ``at`` (a run cut short, to be resumed)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args: object, state: transformers.TrainerState, control: transformers.TrainerControl,
+                    **kwargs: object) -> None:
+        if state.global_step >= self.at:
+            control.should_training_stop = True
+
+
 def make_model(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -107,6 +122,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--mode", choices=("manual", "attach"), default="manual")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps (attach mode)")
+    p.add_argument("--save-every", type=int, default=0, help="attach mode: a Trainer checkpoint every N steps")
+    p.add_argument("--stop-at", type=int, default=0, help="attach mode: the Trainer stops after step N")
+    p.add_argument("--resume", action="store_true", help="attach mode: train(resume_from_checkpoint=True)")
+    p.add_argument("--held-out", type=Path, help="attach mode: each rank's held values (tests/rackstate.py)")
     a = p.parse_args()
     torch.set_num_threads(1)
     ids = tuple(a.learners.split(","))
@@ -152,16 +171,29 @@ def attach_mode(a: argparse.Namespace, ids: tuple[str, ...], model: torch.nn.Mod
     args = transformers.TrainingArguments(
         output_dir=str(a.out.parent / f"trainer-{a.id}"), max_steps=a.steps, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=a.accumulate, learning_rate=3e-3, logging_steps=4, report_to="none",
-        save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=seed)
+        save_strategy="steps" if a.save_every else "no", save_steps=a.save_every or 500, use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True, seed=seed)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Ragged(512, seed=seed),
                                    data_collator=collator)
     opt = attach_to_trainer(trainer, config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
-    trainer.train()
-    opt.close()
-    a.out.write_text(json.dumps({
+    if a.stop_at:
+        trainer.add_callback(StopAt(a.stop_at))
+    resumed: dict = {}
+    if a.resume:
+        def restored(o: RackmendOptimizer, *_: object) -> None:  # what the Trainer and rackmend restored
+            if not resumed:
+                resumed.update(step=o.step_count, c_time=o.c_time, c_tokens=o.c_tokens, versions=o.versions)
+        opt.register_step_pre_hook(restored)
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    opt.close()  # the callback closed it at the end of train(): closing again does nothing
+    rank = opt.rank
+    if a.held_out:
+        save_held(opt, f"{a.held_out}.{rank}")
+    out = a.out if opt.world_size == 1 else Path(f"{a.out}.{rank}")
+    out.write_text(json.dumps({
         "log_history": trainer.state.log_history, "start_loss": start_loss, "end_loss": held_out_loss(model),
         "versions": opt.versions, "step": opt.step_count, "collated": collator.collated,
-        "inner": type(opt.inner).__name__,
+        "inner": type(opt.inner).__name__, "resumed": resumed,
     }))
     return 0
 

@@ -148,12 +148,14 @@ class InnerStepDone:
     """The training loop finished an inner step at ``now``."""
 
     tokens: float
-    """What this rank trained on in the step (the learner's total is this x world size:
-    ranks see equal batches)."""
+    """What this rank trained on in the step."""
     arrived: tuple[Update, ...] = ()
     """Updates the link received since the previous step, oldest first."""
     moments: tuple[MomentUpdate, ...] = ()
     """DES-LOC: averaged moments the link received since the previous step, oldest first."""
+    rack_tokens: float | None = None
+    """What the whole learner trained on in the step: the sum of its ranks' ``tokens``
+    (the driver sums them). None: ``tokens`` x world size, as if every rank's were equal."""
 
 
 @dataclass(frozen=True)
@@ -752,7 +754,7 @@ class LearnerCore:
     def _step_done(self, event: InnerStepDone, now: float, actions: list[LearnerAction]) -> None:
         dt = 0.0 if self.ready_at is None else now - self.ready_at
         self.step += 1
-        learner_tokens = event.tokens * self.world_size
+        learner_tokens = event.tokens * self.world_size if event.rack_tokens is None else event.rack_tokens
         for f in self.fragments:
             f.c_steps += 1
             f.c_tokens += learner_tokens

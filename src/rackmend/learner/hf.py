@@ -8,6 +8,17 @@ blocked time, bytes) to every Trainer log, so they land in ``trainer.state.log_h
 and in the ``report_to`` loggers. The LR scheduler the Trainer builds then drives the
 inner optimizer, as it would without rackmend.
 
+Several ranks per rack (``torchrun --nproc-per-node N``): the Trainer's ``train()`` runs
+``accelerator.prepare(model)``, which copies the model to ``cpu:0`` on CPU ranks after the
+optimizer exists; ``RackmendOptimizer`` follows such a move at its first step
+(``rackmend.learner.binding``). The Trainer writes ``optimizer.pt`` from rank 0 only and
+loads it on every rank, so the optimizer's state there is the inner optimizer's, and
+each rank writes its own rackmend state beside it (``RackmendOptimizer.save_rank_state``
+in ``on_save``) and reads it back when training resumes from that checkpoint. At the end
+of ``train()`` the callback closes the optimizer: the syncer logs a clean leave. An
+FSDP or DeepSpeed Trainer shards the model inside ``train()``, after the optimizer was
+built, so ``attach_to_trainer`` refuses it by name.
+
 ``transformers`` stays an optional dependency: ``import rackmend`` does not import this
 module; importing it without ``transformers`` raises an ImportError saying what to
 install. Nothing about rounds or merges lives here: that is ``RackmendOptimizer``'s.
@@ -17,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -28,6 +40,7 @@ from rackmend.transport.base import LearnerLink
 
 try:
     import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - exercised only where transformers is absent
     raise ImportError("rackmend.learner.hf needs the Hugging Face transformers package: pip install transformers "
                       "(or pip install 'rackmend[test]')") from exc
@@ -68,11 +81,15 @@ class RackmendCallback(transformers.TrainerCallback):
     global version held by any fragment).
     """
 
-    def __init__(self, optimizer: RackmendOptimizer) -> None:
+    def __init__(self, optimizer: RackmendOptimizer, *, save_rank_state: bool = False) -> None:
         if optimizer.count_tokens is not None:
             raise ConfigError("this RackmendOptimizer already has count_tokens set; RackmendCallback counts tokens "
                               "from the batches itself: build the optimizer without count_tokens")
         self.optimizer = optimizer
+        self.save_rank_state = save_rank_state
+        """Whether each rank writes its rackmend state into the Trainer's checkpoint folders
+        and reads it back on resume (``attach_to_trainer`` sets it, with the optimizer's
+        ``state_per_rank``)."""
         self._pending_tokens: int | None = None
         self._uncounted_warned = False
         self._merges = 0
@@ -143,6 +160,27 @@ class RackmendCallback(transformers.TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
 
+    # ------------------------------------------------------------- checkpoints, the end
+    @staticmethod
+    def checkpoint_folder(args: Any, state: Any) -> Path:
+        """The folder the Trainer saves the checkpoint of ``state.global_step`` in."""
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.save_rank_state:  # every rank, right after the Trainer wrote the checkpoint
+            self.optimizer.save_rank_state(self.checkpoint_folder(args, state))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer restored the step and optimizer.pt (the inner state) before this call.
+        if self.save_rank_state and state.global_step > 0:
+            folder = self.checkpoint_folder(args, state)
+            self.optimizer.load_rank_state(folder)
+            log.info("learner %s: rank %d resumed its rackmend state from %s", self.optimizer.learner_id,
+                     self.optimizer.rank, folder)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.close()  # a clean leave; closing again (the script's own close) does nothing
+
     def remove(self) -> None:
         """Detach from the optimizer and the model."""
         self._hook.remove()
@@ -158,20 +196,28 @@ def attach_to_trainer(
     learner_id: str | None = None,
     probe_loss: Callable[[], float] | None = None,
 ) -> RackmendOptimizer:
-    """Put rackmend into ``trainer`` before ``trainer.train()``; returns the optimizer
-    (call its ``close()`` when training is over, to leave the run).
+    """Put rackmend into ``trainer`` before ``trainer.train()``; returns the optimizer,
+    which leaves the run when ``train()`` ends (attach again for another ``train()``).
 
     The inner optimizer is the Trainer's own (``trainer.create_optimizer()``: the one
     ``TrainingArguments`` describe, or the one given through ``optimizers=``); the
     learner joins through ``link`` now and loads the syncer's global value into the
     model. A ``RackmendCallback`` goes first in the Trainer's callbacks, so its figures
     are in the logs before any ``report_to`` logger sees them."""
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        raise ConfigError(
+            f"attach_to_trainer: this Trainer runs {'FSDP' if trainer.is_fsdp_enabled else 'DeepSpeed'}, which "
+            "shards the model inside train(), after the optimizer exists, so rackmend would hold tensors the "
+            "training no longer uses. Use a DDP Trainer (torchrun, no fsdp/deepspeed in TrainingArguments), or "
+            "shard the model yourself with fully_shard and train it with RackmendOptimizer in your own loop "
+            "(docs/integration.md, 'Sharded models')")
     if isinstance(trainer.optimizer, RackmendOptimizer):
         raise ConfigError("the Trainer's optimizer is a RackmendOptimizer already; attach_to_trainer builds one "
                           "itself: pass the inner optimizer through optimizers=(inner, scheduler), or none")
     inner = trainer.create_optimizer()
     opt = RackmendOptimizer(trainer.model, inner, config, link, learner_id=learner_id, probe_loss=probe_loss)
+    opt.state_per_rank = True  # optimizer.pt is rank 0's: each rank's rackmend state goes beside it
     trainer.optimizer = opt
     trainer.callback_handler.optimizer = opt
-    trainer.callback_handler.callbacks.insert(0, RackmendCallback(opt))
+    trainer.callback_handler.callbacks.insert(0, RackmendCallback(opt, save_rank_state=True))
     return opt

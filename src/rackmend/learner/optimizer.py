@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -78,6 +79,13 @@ from rackmend.transport.base import LearnerLink, TransportError
 __all__ = ["RackmendOptimizer", "ResumeOrderError"]
 
 log = logging.getLogger("rackmend.learner")
+
+
+RANK_STATE_FILE = "rackmend-rank{rank}-of-{world}.pt"
+"""The name of a rank's own rackmend state in a checkpoint folder (``save_rank_state``)."""
+
+PER_RANK = {"per_rank": RANK_STATE_FILE}
+"""``state_dict()["rackmend"]`` with ``state_per_rank`` set: the state is in each rank's file."""
 
 
 class ResumeOrderError(RuntimeError):
@@ -146,6 +154,15 @@ class RackmendOptimizer(torch.optim.Optimizer):
         self.count_tokens = count_tokens
         self.probe_loss = probe_loss
         self._warned_tokens = False
+        self._pending_tokens: float | None = None
+        """Tokens counted by ``add_tokens`` for the next step."""
+        self._closed = False
+        self.state_per_rank = False
+        """Set by trainer integrations whose checkpoint holds the optimizer state of rank 0
+        only (the Hugging Face Trainer, accelerate, Lightning under DDP): ``state_dict``
+        then carries the inner optimizer's state and no rackmend part, ``load_state_dict``
+        of such a state restores the inner optimizer only, and each rank's own rackmend
+        state goes to a file of its own (``save_rank_state`` / ``load_rank_state``)."""
         # Inside a multi-rank learner (torchrun), one rank owns each block of each fragment
         # (core.pieces.owner): only it sends it and talks to the syncer about it; merged
         # values reach the ranks holding copies by broadcast, at the same step on every rank.
@@ -314,6 +331,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """One inner step, then rackmend's per-step bookkeeping (never waits on peers
         except in deterministic mode). ``tokens``: what this rank trained on in this step
         (see the class docstring for callers that cannot pass it)."""
+        self._check_open()
         if not self._moves_followed:  # before the inner step, while moved values still equal the views'
             self._follow_moves()
         if self._rebased is not None:
@@ -328,9 +346,30 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self._in_step = False
         return loss
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"learner {self.learner_id}: this RackmendOptimizer was closed (it left the run; a trainer integration "
+                "closes it when training ends): build a new one, with a new inner optimizer or the same, to train on")
+
+    def add_tokens(self, tokens: float) -> None:
+        """Count ``tokens`` (this rank's) toward the next ``step``: for callers that reach
+        the optimizer through a wrapper whose ``step`` takes no ``tokens=`` (accelerate's
+        ``AcceleratedOptimizer``, Lightning). Micro-batches of gradient accumulation add up;
+        a step that a wrapper skips (a GradScaler's overflow) leaves them to the next."""
+        if not tokens >= 0:
+            raise ValueError(f"add_tokens takes a count of tokens >= 0, got {tokens!r}")
+        self._pending_tokens = (self._pending_tokens or 0.0) + float(tokens)
+
     def _tokens(self, tokens: float | None) -> float:
+        pending, self._pending_tokens = self._pending_tokens, None
         if tokens is not None:
+            if pending is not None:
+                raise ValueError(f"learner {self.learner_id}: step(tokens={tokens}) after add_tokens({pending}) for "
+                                 "the same step; count this step's tokens one way")
             return tokens
+        if pending is not None:
+            return pending
         if self.count_tokens is not None:
             return float(self.count_tokens())
         per_step = self.config.learner.tokens_per_step
@@ -350,20 +389,46 @@ class RackmendOptimizer(torch.optim.Optimizer):
         restore them onto a newer global value whatever the model holds then)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        self._sends.wait()  # the uplink codec's residuals include every send made
-        state = {
-            "inner": self.inner.state_dict(),
-            "rackmend": {
-                "learner_id": self.learner_id,
-                **self.core.state_dict(),
-                "params": [[t.detach().clone() for t in ts] for ts in self._params],
-            },
-        }
+        state = {"inner": self.inner.state_dict(), "rackmend": PER_RANK if self.state_per_rank else self._own_state()}
         for post in self._optimizer_state_dict_post_hooks.values():
             result = post(self, state)
             if result is not None:
                 state = result
         return state
+
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's rackmend state: what ``state_dict()["rackmend"]`` holds."""
+        self._sends.wait()  # the uplink codec's residuals include every send made
+        return {"learner_id": self.learner_id, **self.core.state_dict(),
+                "params": [[t.detach().clone() for t in ts] for ts in self._params]}
+
+    def rank_state_file(self, folder: str | os.PathLike[str]) -> Path:
+        """Where ``save_rank_state(folder)`` writes this rank's state."""
+        return Path(folder) / RANK_STATE_FILE.format(rank=self.rank, world=self.world_size)
+
+    def save_rank_state(self, folder: str | os.PathLike[str]) -> Path:
+        """Write this rank's rackmend state (``state_dict()["rackmend"]``) into ``folder``
+        (created if missing), as a file of its own: every rank calls it, at the same step
+        as the trainer's checkpoint. Returns the file."""
+        path = self.rank_state_file(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(self._own_state(), tmp)
+        os.replace(tmp, path)  # a crash mid-write leaves the previous file, not half of one
+        return path
+
+    def load_rank_state(self, folder: str | os.PathLike[str]) -> None:
+        """Restore this rank's rackmend state from ``folder`` (``save_rank_state``'s file);
+        FileNotFoundError naming the file when it is not there."""
+        path = self.rank_state_file(folder)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"learner {self.learner_id}: no rackmend state for rank {self.rank} of {self.world_size} at {path}: "
+                "each rank writes its own beside the trainer's checkpoint; resume from the folder the trainer saved "
+                "(with the same number of ranks), or resume without it (the learner joins with the global value)")
+        # A file this learner's own trainer wrote on local disk, never bytes from the network;
+        # weights_only keeps even a tampered file from running code.
+        self.load_state_dict({"rackmend": torch.load(path, map_location="cpu", weights_only=True)})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore inner state, rackmend's counters and this learner's parameters.
@@ -394,6 +459,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         if "inner" in state_dict:
             self.inner.load_state_dict(state_dict["inner"])
         rs = state_dict["rackmend"]
+        if rs == PER_RANK:  # rackmend's part is in each rank's own file (load_rank_state)
+            for post in self._optimizer_load_state_dict_post_hooks.values():
+                post(self)
+            return
         if "params" not in rs:
             raise ValueError("this state_dict predates rackmend's parameter snapshot ('params'); "
                              "save it again with this version")
@@ -533,7 +602,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Send what is queued, then leave the run (the syncer stops expecting this
-        learner at once)."""
+        learner at once). Closing again does nothing: a trainer integration closes at the
+        end of training and the script may too."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._sends.close()
         finally:
@@ -555,6 +628,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Bookkeeping after one inner step; ``step`` calls it for you. A loop that steps
         the inner optimizer itself calls this after each of its steps (on CUDA it then
         orders the device's next writes after this step's snapshot copies)."""
+        self._check_open()
         if not self._moves_followed:  # the caller stepped the inner optimizer itself
             self._follow_moves()
         if not self._model_checked:  # after the first inner step: whether it kept the rack's copies equal
@@ -569,7 +643,8 @@ class RackmendOptimizer(torch.optim.Optimizer):
         arrived = tuple(self.link.poll())
         if arrived and self._cuda is not None:
             self._cuda.stage(arrived, core.in_flight())
-        self._run(core.handle(InnerStepDone(tokens, arrived, moments), now))
+        rack = self._pieces.rack_tokens(tokens) if self.world_size > 1 else None
+        self._run(core.handle(InnerStepDone(tokens, arrived, moments, rack_tokens=rack), now))
         self._run(core.handle(ApplyDue(), self._clock()))
         core.handle(TrainingResumed(), self._clock())
         if self._cuda is not None and not self._in_step:

@@ -404,6 +404,17 @@ class RackPieces:
         torch.distributed.all_gather(out, t.to(dev) if dev is not None else t, group=self.group)
         return [o.cpu() for o in out] if dev is not None else out
 
+    def rack_tokens(self, tokens: float) -> float:
+        """The sum of every rank's ``tokens`` for this step: ranks of a data-parallel rack
+        train on batches of their own, whose sizes (padding, packing, the last batch) differ.
+        One all-reduce of one number. Collective."""
+        if not self.distributed:
+            return tokens
+        dev = self._device
+        buf = torch.tensor([float(tokens)], dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(buf, group=self.group)
+        return float(buf.item())
+
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         dev = self._device
         buf = t.to(dev) if dev is not None else t
