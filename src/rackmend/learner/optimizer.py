@@ -336,12 +336,13 @@ class RackmendOptimizer(torch.optim.Optimizer):
             self._follow_moves()
         if self._rebased is not None:
             self._check_not_overwritten()
+        n = self._tokens(tokens)  # before the inner step: a refused count leaves the model as it was
         if self._cuda is not None:
             self._cuda.guard_writes()  # the inner step writes what the last snapshots read
         loss = self.inner.step(closure)
         self._in_step = True
         try:
-            self.after_inner_step(self._tokens(tokens))
+            self.after_inner_step(n)
         finally:
             self._in_step = False
         return loss
