@@ -1,0 +1,53 @@
+"""Every script in ``examples/`` runs, at toy size, as a rack of a real ``rackmend syncer``
+process, launched the way its docstring's two-line launch command says (plain python
+or torchrun with 2 gloo ranks): it exits 0, its work is merged and it leaves cleanly."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import TORCHRUN, Procs, events, finish
+from rackmend.core.records import Joined, Left, Merged
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+RUNS = {
+    # example: (the launcher its docstring names, extra flags for a toy-size run)
+    "train_gpt.py": ("python", ["--steps", "16", "--sync-every", "4", "--fragments", "2"]),
+    "ddp_rack.py": ("torchrun", ["--steps", "16", "--sync-every", "4"]),
+    "fsdp2_rack.py": ("torchrun", ["--steps", "16", "--sync-every", "4"]),
+    "hf_trainer_rack.py": ("torchrun", ["--steps", "16", "--output-dir", "{tmp}/hf"]),
+    "accelerate_rack.py": ("torchrun", ["--steps", "16", "--state", "{tmp}/state"]),
+}
+NEEDS = {"hf_trainer_rack.py": "transformers", "accelerate_rack.py": "accelerate"}
+
+
+def test_every_example_is_run_here() -> None:
+    """A new example needs a line in RUNS, and every example documents its launch."""
+    found = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    assert found == sorted(RUNS), f"examples without a run in this test, or runs of missing ones: {found}"
+    for name, (launcher, _) in RUNS.items():
+        doc = (EXAMPLES / name).read_text()
+        assert re.search(r"rackmend syncer --bind tcp://\S+", doc), f"{name}: no syncer command in its docstring"
+        assert f"{'torchrun --nproc-per-node 2' if launcher == 'torchrun' else 'python'} examples/{name}" in doc, name
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_example_trains_as_a_rack_of_a_real_syncer(procs: Procs, tmp_path: Path, name: str) -> None:
+    if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+        pytest.skip(f"{NEEDS[name]} is not installed")
+    launcher, flags = RUNS[name]
+    _, endpoint = procs.syncer("--min-quorum", "1")
+    cmd = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), str(EXAMPLES / name),
+           "--connect", endpoint, "--id", "rack0", *(f.format(tmp=tmp_path) for f in flags)]
+    proc = procs.start(cmd, "rack0")
+    finish(proc, procs, "rack0", timeout=240)
+    joined = events(tmp_path, Joined)
+    assert joined and {e.world for e in joined} == {2 if launcher == "torchrun" else 1}, joined
+    assert len([e for e in events(tmp_path, Merged) if "rack0" in e.merged]) >= 4
+    assert [(e.learner, e.reason) for e in events(tmp_path, Left)] == [("rack0", "leave")]
