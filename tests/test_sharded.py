@@ -412,7 +412,7 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     # waited for the dead rack until the syncer gave up on it. Relaunched ranks may take
     # over their old ranks' ids after 1 s of silence.
     grace, heartbeat, lag = 0.5, 2.5, 0.3
-    h, p = 2, 2  # a send every step: every step of the kill leaves rank 0's pieces waiting for rank 1's
+    h, p = 2, 2  # a send every step
     sched = ("--H", str(h), "--P", str(p), "--tau", str(TAU))
     syncer, endpoint = procs.syncer("--min-quorum", "1", "--learners", "l0,l1", "--overlap", str(TAU),
                                     "--grace-max", str(grace), "--heartbeat-timeout", str(heartbeat),
@@ -432,7 +432,7 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     victim, restart = _pid(Path(f"{pids}.1"))
     assert restart == 0 and victim in descendants(rack.pid), "rank 1's pid is not a worker of this torchrun"
     # Rank 1 writes a step when its gradient is ready and then sleeps before its opt.step,
-    # while rank 0 sends its pieces of that step: kill rank 1 inside that window.
+    # while rank 0 waits in that step: kill rank 1 inside that window.
     step = progress(Path(f"{prog}.1"))[0]
     wait_for(lambda: progress(Path(f"{prog}.1"))[0] > step, 30, "rank 1 to take a step", (rack,))
     time.sleep(lag / 6)
@@ -464,9 +464,11 @@ def test_sigkilled_rank_of_an_fsdp_rack_relaunches_and_stalls_nobody(procs: Proc
     print(f"outage {rejoined - killed_at:.1f}s: {len(times) - 2} merges with l1, largest gap {max(gaps):.2f}s, "
           f"largest wait {max(waits):.2f}s")
     assert max(gaps) <= grace + 1.0 < heartbeat, f"the plain rack's merges stalled {max(gaps):.2f}s during the outage"
-    # (3) rank 0's pieces of the step rank 1 never sent: dropped, with the reason, never merged.
+    # (3) Nothing of the rack merges incomplete. The ranks sum their step's tokens (one
+    # all-reduce) before they send, so rank 0 no longer sends pieces of a step rank 1 never
+    # reached; pieces of a step rank 1 died in after that (a narrow window) are dropped with
+    # the reason (the syncer's side of it: test_pieces.py), never merged.
     dropped = [e for e in of(ev, Incomplete) if e.learner == "l0" and e.t > killed_at]
-    assert dropped, "no incomplete contribution of the killed rack was dropped"
     for e in dropped:
         assert e.ranks == (0,) and e.missing == (1,), e
         # Dropped when the bound passed, the rack went silent, or its relaunched rank 0
