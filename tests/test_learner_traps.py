@@ -409,21 +409,60 @@ def test_a_model_changed_after_the_optimizer_was_built_is_refused_at_the_first_s
     moved, sharded or given new tensors afterwards would train on tensors rackmend
     never reads or writes (before: a model cast to float64 after building trained on
     with its merges landing in the old float32 tensors, no error). The first step
-    raises, whether ``step`` or the caller's own loop (``after_inner_step``) runs it."""
+    raises, whether ``step`` or the caller's own loop (``after_inner_step``) runs it; a
+    buffer assigned anew at every forward is refused at the second step (at the first it
+    may be a launcher's move, which a forward then updated)."""
     config = _config(P=1, M=1)
     with InProcessSyncer.for_model(config, _WithNorm()) as hub:
         model = _WithNorm()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt = RackmendOptimizer(model, inner, config, hub.connect(), learner_id="l0")
-        _changed(change, model)
-        x = torch.randn(8, 4, dtype=next(model.parameters()).dtype)
-        model(x).backward()
         with pytest.raises(ConfigError, match=says):
-            if caller == "step":
-                opt.step(tokens=8)
-            else:
-                inner.step()
-                opt.after_inner_step(8)
+            for step in range(2):
+                if step == 0 or change == "buffer":
+                    _changed(change, model)
+                x = torch.randn(8, 4, dtype=next(model.parameters()).dtype)
+                model(x).backward()
+                if caller == "step":
+                    opt.step(tokens=8)
+                else:
+                    inner.step()
+                    opt.after_inner_step(8)
+        assert step == (1 if change == "buffer" else 0)
+        opt.close()
+
+
+def test_a_model_moved_to_new_memory_after_the_optimizer_was_built_is_followed(caplog: pytest.LogCaptureFixture
+                                                                               ) -> None:
+    """A launcher that copies the model after the optimizer was built, with the same
+    device, dtype, shape and values (accelerate places a model on ``cpu:0`` on several
+    CPU ranks: every tensor gets new memory), is followed at the first step: the merges
+    read and write the model's new memory (the syncer's value after a merge is what the
+    model held at the send; with stale views it would be the joined value). Before, the
+    first step raised ConfigError."""
+    config = _config(P=1, M=1)
+    with InProcessSyncer.for_model(config, _WithNorm()) as hub:
+        model = _WithNorm()
+        opt = RackmendOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, hub.connect(),
+                                learner_id="l0")
+        joined = [t.clone() for t in opt.held[0]]
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()  # what module.to(torch.device("cpu", 0)) does to a CPU model
+        caplog.set_level(logging.INFO, logger="rackmend.learner")
+        at_send = {}
+        for step in range(1, 2 * H + 2):
+            model(torch.randn(8, 4)).backward()
+            opt.step(tokens=8)
+            opt.zero_grad()
+            if step == 2 * H:
+                at_send = {n: t.detach().clone() for n, t in model.named_parameters()}
+        assert opt.versions == [2]
+        names = [t.name for t in opt.fragments[0].tensors]
+        for name, held, first in zip(names, opt.held[0], joined):
+            if name in at_send:
+                assert torch.allclose(held, at_send[name], atol=1e-6), name
+                assert not torch.allclose(held, first), f"{name}: the merges read the model's old memory"
+        assert [r for r in caplog.records if "moved to new memory" in r.getMessage()]
         opt.close()
 
 

@@ -78,10 +78,13 @@ def sharding(t: torch.Tensor) -> str:
 
 
 def compare(fragments: Sequence[FragmentSpec], views: Sequence[Sequence[torch.Tensor]],
-            shardings: Sequence[Sequence[str]], current: Sequence[Sequence[torch.Tensor]]) -> list[Mismatch]:
+            shardings: Sequence[Sequence[str]], current: Sequence[Sequence[torch.Tensor]],
+            *, follow: bool = True) -> list[Mismatch]:
     """Every tensor of ``current`` (the model's now) whose local tensor is not the memory
     of its view in ``views`` (with ``shardings``, taken when the views were), with what
-    changed. Values are compared only where nothing else changed."""
+    changed. With ``follow``, a parameter whose values are equal and a buffer of the same
+    layout (a forward since the move updated it in place) count as moved: no change
+    listed. Values are compared only where nothing else changed."""
     out = []
     for f, (spec, held_f, how_f, now_f) in enumerate(zip(fragments, views, shardings, current)):
         for i, (t, held, how, tensor) in enumerate(zip(spec.tensors, held_f, how_f, now_f)):
@@ -91,7 +94,9 @@ def compare(fragments: Sequence[FragmentSpec], views: Sequence[Sequence[torch.Te
             changes = tuple(f"{what} {a} -> {b}" for what, a, b in (
                 ("device", held.device, local.device), ("dtype", held.dtype, local.dtype),
                 ("shape", list(held.shape), list(local.shape)), ("sharding", how, sharding(tensor))) if a != b)
-            if not changes and not torch.equal(local, held):
+            if not changes and not follow:
+                changes = ("its memory (a tensor assigned anew)",)
+            elif not changes and not t.is_buffer and not torch.equal(local, held):
                 changes = ("its memory (a tensor assigned anew) and its values",)
             out.append(Mismatch(f, i, t, changes))
     return out

@@ -213,8 +213,10 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Inside ``step``: it orders the next inner step after this step's snapshot copies."""
         self._model_checked = False
         """The first step has checked that the model still holds the tensors rackmend works on."""
-        self._moves_followed = False
-        """The first step has taken views anew of tensors a launcher moved (``_follow_moves``)."""
+        self._bound_checks = 0
+        """Steps whose start checked the model's tensors against the views (``_follow_moves``):
+        the first follows a move, the second refuses any replacement (a module assigning a
+        buffer anew at every forward), later steps do not look."""
         devices = sorted({str(t.device) for ts in self._params for t in ts if t.is_cuda})
         if len(devices) > 1:
             # The snapshot copies and their events are made on one device's streams; a
@@ -332,7 +334,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         except in deterministic mode). ``tokens``: what this rank trained on in this step
         (see the class docstring for callers that cannot pass it)."""
         self._check_open()
-        if not self._moves_followed:  # before the inner step, while moved values still equal the views'
+        if self._bound_checks < 2:  # before the inner step, while moved values still equal the views'
             self._follow_moves()
         if self._rebased is not None:
             self._check_not_overwritten()
@@ -494,7 +496,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         # First, on every rank alike (a collective): whether the rack keeps its copies equal.
         refuse_differing_copies(self._pieces.differing_copies())
         current = self._current_tensors()
-        mismatches = compare(self.fragments, self._params, self._shardings, current)
+        mismatches = compare(self.fragments, self._params, self._shardings, current, follow=False)
         if mismatches:  # replaced after the check before the inner step: by the inner step itself
             raise self._refusal(mismatches)
         stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
@@ -526,12 +528,14 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def _follow_moves(self) -> None:
         """At the first step, before the inner step: take views anew of tensors that a
         launcher gave new memory with the same device, dtype, shape, sharding and values
-        since this optimizer was built (``accelerator.prepare(model)`` on several CPU ranks
-        copies the model to ``cpu:0``); raise for any other change (``binding.compare``), or
-        when the inner optimizer still steps a parameter's old tensor. Never trains on
-        stale views: without this the training would go on in memory rackmend never reads."""
+        (buffers: layout) since this optimizer was built (``accelerator.prepare(model)`` on
+        several CPU ranks copies the model to ``cpu:0``); raise for any other change
+        (``binding.compare``), or when the inner optimizer still steps a parameter's old
+        tensor. At the second step raise for any tensor replaced again (a module that
+        assigns a buffer anew at each forward). Never trains on stale views: without this
+        the training would go on in memory rackmend never reads."""
         current = self._current_tensors()
-        mismatches = compare(self.fragments, self._params, self._shardings, current)
+        mismatches = compare(self.fragments, self._params, self._shardings, current, follow=self._bound_checks == 0)
         changed = [m for m in mismatches if m.changes]
         if changed:
             raise self._refusal(changed)
@@ -558,7 +562,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             log.info("learner %s: %d of the model's tensors moved to new memory (same values and layout) after "
                      "RackmendOptimizer was built%s; rackmend follows them", self.learner_id, len(mismatches),
                      self._under())
-        self._moves_followed = True
+        self._bound_checks += 1
 
     @staticmethod
     def _under() -> str:
@@ -630,7 +634,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         the inner optimizer itself calls this after each of its steps (on CUDA it then
         orders the device's next writes after this step's snapshot copies)."""
         self._check_open()
-        if not self._moves_followed:  # the caller stepped the inner optimizer itself
+        if self._bound_checks < 2 and not self._in_step:  # the caller stepped the inner optimizer itself
             self._follow_moves()
         if not self._model_checked:  # after the first inner step: whether it kept the rack's copies equal
             self._check_model()
