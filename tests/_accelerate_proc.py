@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _trainer_proc import BATCH, PadRecorder, Ragged, make_model  # noqa: E402
-from rackstate import save_held  # noqa: E402
+from rackstate import meet, save_held  # noqa: E402
 
 from rackmend import LearnerConfig, RackmendConfig, ScheduleConfig, SyncerConfig, ZmqLink  # noqa: E402
 from rackmend.learner import accel  # noqa: E402
@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--folder", type=Path, required=True)
     p.add_argument("--held-out", type=Path)
+    p.add_argument("--meet", type=Path, help="once joined, wait for every learner's rank 0 here (rackstate.meet)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -55,6 +56,8 @@ def main() -> int:
     model, opt = accel.prepare(accelerator, model, inner, config, ZmqLink(a.endpoint, heartbeat_s=0.2),
                                learner_id=a.id)
     rm = opt.optimizer
+    if a.meet:
+        meet(a.meet, f"{a.id}.{rm.rank}", [f"{lid}.{r}" for lid in ids for r in range(rm.world_size)])
     collator = PadRecorder()
     loader = accelerator.prepare(DataLoader(Ragged(512, seed=seed), batch_size=BATCH, collate_fn=collator))
     first, resumed = 1, {}

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from rackmend import LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig, ZmqLink
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rackstate import save_held  # noqa: E402
+from rackstate import meet, save_held  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -126,6 +126,7 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=0, help="attach mode: the Trainer stops after step N")
     p.add_argument("--resume", action="store_true", help="attach mode: train(resume_from_checkpoint=True)")
     p.add_argument("--held-out", type=Path, help="attach mode: each rank's held values (tests/rackstate.py)")
+    p.add_argument("--meet", type=Path, help="attach mode: once joined, wait for every learner here (rackstate.meet)")
     a = p.parse_args()
     torch.set_num_threads(1)
     ids = tuple(a.learners.split(","))
@@ -176,6 +177,8 @@ def attach_mode(a: argparse.Namespace, ids: tuple[str, ...], model: torch.nn.Mod
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Ragged(512, seed=seed),
                                    data_collator=collator)
     opt = attach_to_trainer(trainer, config, ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id)
+    if a.meet:
+        meet(a.meet, f"{a.id}.{opt.rank}", [f"{lid}.{r}" for lid in ids for r in range(opt.world_size)])
     if a.stop_at:
         trainer.add_callback(StopAt(a.stop_at))
     resumed: dict = {}

@@ -48,3 +48,20 @@ def assert_held_equal_syncer(files: list[str | Path], checkpoint: dict[str, torc
             i += 1
         assert i > 0, f"the checkpoint has no history of fragment {p} version {v}"
     return versions
+
+
+def meet(folder: str | Path, me: str, everyone: list[str] | tuple[str, ...], timeout: float = 120.0) -> None:
+    """A file barrier between racks: write ``folder/me`` and wait until every one of
+    ``everyone`` has (bounded). Racks that resume call it once joined, before training:
+    a deterministic syncer stops waiting for a listed learner that has left, so a rack
+    starting late would miss the other's first rounds."""
+    import time
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / me).touch()
+    end = time.monotonic() + timeout
+    while not all((folder / other).exists() for other in everyone):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{me}: the other racks did not reach {folder} within {timeout}s")
+        time.sleep(0.05)

@@ -4,16 +4,15 @@ real ``rackmend syncer`` on 127.0.0.1 (skipped when ``transformers`` is absent).
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from procs import HERE, TORCHRUN, Procs, events, finish  # noqa: E402
+from trainer_racks import IDS, STEPS, STOP, StopResume, expected_tokens  # noqa: E402
 from rackmend.core.records import Merged, Rejected, TokenUnits  # noqa: E402
 from rackmend.service.events import BadMessage  # noqa: E402
 
@@ -51,18 +50,6 @@ def test_trainer_racks_train_through_a_syncer_with_token_weights(procs: Procs, t
         assert result["end_loss"] < result["start_loss"] - 0.3, result
 
 
-def _expected_tokens(step_tokens: list[int], offset: int, H: int, tau: int, steps: int) -> list[int]:
-    """Per send of one fragment, the tokens it reports in deterministic mode: the steps
-    since the previous merged value was applied (at t_send + tau, counters reset after
-    that step's count), the first send counting from step 1."""
-    out, start = [], 1
-    for t in range(1, steps + 1):
-        if (t - offset) % H == 0:
-            out.append(sum(step_tokens[start - 1:t]))
-            start = t + tau + 1
-    return out
-
-
 def test_attach_to_trainer_counts_batch_tokens_and_logs_merges(procs: Procs, tmp_path: Path) -> None:
     """A plain Trainer (its own AdamW and scheduler from TrainingArguments) with
     ``attach_to_trainer``, ragged batches padded per batch, 2 micro-batches a step: every
@@ -91,7 +78,7 @@ def test_attach_to_trainer_counts_batch_tokens_and_logs_merges(procs: Procs, tmp
         got = [e for e in merges if e.fragment == p]
         assert got and all(list(e.merged) == ids for e in got)
         for lid in ids:
-            assert [e.tokens[lid] for e in got] == _expected_tokens(step_tokens[lid], offset, H, tau, steps)
+            assert [e.tokens[lid] for e in got] == expected_tokens(step_tokens[lid], offset, H, tau, steps)
     assert not events(tmp_path, TokenUnits, Rejected, BadMessage)
     for lid, r in results.items():
         logged = [entry for entry in r["log_history"] if "rackmend/merges" in entry]
@@ -121,66 +108,18 @@ def test_transformers_stays_optional() -> None:
 def test_trainer_racks_of_two_ranks_merge_resume_each_ranks_state_and_leave(procs: Procs, tmp_path: Path) -> None:
     """Two Trainer racks of 2 DDP ranks each (torchrun, gloo) with ``attach_to_trainer``
     (before: both ranks refused at step 1, accelerate having copied the model to cpu:0
-    after rackmend took its views). Each is stopped after step 7 with a Trainer checkpoint
-    there, and resumed from it to step 14: every merge reports exactly the non-padding
-    tokens both ranks' collators saw in its window, across the resume too; each rank
-    resumes its own rackmend state (rank 1's file is altered between the runs and only
-    rank 1 sees it); every rank ends holding the syncer's values of the version it holds;
-    each run ends with a clean leave of both racks."""
-    from safetensors.torch import load_file
-
-    from rackmend.core.fragments import fragment_offsets
-    from rackmend.core.records import Left
-    from rackstate import assert_held_equal_syncer
-
-    # Stopped at an odd step: with H=4, P=2 (offsets 0, 2) and tau=1 no fragment is in
-    # flight then, so the resumed windows continue the first run's exactly.
-    ids, stop, steps, H, P, tau, world = ["l0", "l1"], 7, 14, 4, 2, 1, 2
-    ck = tmp_path / "ck"
-    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
-                                    "--overlap", str(tau), "--checkpoint-dir", str(ck))
-
-    def run(name: str, *flags: str) -> None:
-        racks = {lid: procs.start([*TORCHRUN, TRAINER[-1], "--endpoint", endpoint, "--id", lid, "--learners",
-                                   ",".join(ids), "--steps", str(steps), "--mode", "attach", "--held-out",
-                                   str(tmp_path / f"{lid}-{name}.held"), "--out", str(tmp_path / f"{lid}-{name}.json"),
-                                   *flags], f"{lid}-{name}")
-                 for lid in ids}
-        for lid, proc in racks.items():
-            finish(proc, procs, f"{lid}-{name}", timeout=240)
-
-    run("first", "--save-every", str(stop), "--stop-at", str(stop))
-    folder = {lid: tmp_path / f"trainer-{lid}" / f"checkpoint-{stop}" for lid in ids}
-    for lid in ids:
-        assert sorted(p.name for p in folder[lid].glob("rackmend-*")) == ["rackmend-rank0-of-2.pt",
-                                                                           "rackmend-rank1-of-2.pt"]
-    saved = torch.load(folder["l0"] / "rackmend-rank0-of-2.pt", weights_only=True)
-    marked = torch.load(folder["l0"] / "rackmend-rank1-of-2.pt", weights_only=True)
-    assert (saved["rank"], marked["rank"], saved["step"]) == (0, 1, stop)
-    marked["c_time"] = [123.25] * P  # only rank 1's own file says this (seconds: no effect on the merges)
-    torch.save(marked, folder["l0"] / "rackmend-rank1-of-2.pt")
-    assert sorted(e.learner for e in events(tmp_path, Left)) == ids, "the first run did not leave cleanly"
-    run("second", "--resume")
-    syncer.send_signal(signal.SIGTERM)
-    assert syncer.wait(30) == 0
-    assert sorted(e.learner for e in events(tmp_path, Left)) == sorted(ids * 2), "the second run did not leave cleanly"
-
-    result = {(lid, name, r): json.loads((tmp_path / f"{lid}-{name}.json.{r}").read_text())
-              for lid in ids for name in ("first", "second") for r in range(world)}
-    r0, r1 = result["l0", "second", 0]["resumed"], result["l0", "second", 1]["resumed"]
-    assert r0["step"] == r1["step"] == stop
-    assert r1["c_time"] == [123.25] * P and r0["c_time"] == pytest.approx(saved["c_time"]), (r0, r1)
-    merges = events(tmp_path, Merged)
-    for lid in ids:
-        assert all(result[lid, "second", r]["step"] == steps for r in range(world))
-        step_tokens = [sum(t) for t in zip(*(result[lid, "first", r]["collated"][:stop]
-                                             + result[lid, "second", r]["collated"][:steps - stop]
-                                             for r in range(world)))]
-        assert len(step_tokens) == steps and len(set(step_tokens)) > 1
-        for p, offset in enumerate(fragment_offsets(P, H)):
-            got = [e.tokens[lid] for e in merges if e.fragment == p]
-            assert got == _expected_tokens(step_tokens, offset, H, tau, steps), (lid, p, got, step_tokens)
-    assert not events(tmp_path, TokenUnits, Rejected, BadMessage)
-    checkpoint = load_file(str(ck / "syncer.safetensors"))
-    for lid in ids:
-        assert_held_equal_syncer([f"{tmp_path}/{lid}-second.held.{r}" for r in range(world)], checkpoint)
+    after rackmend took its views), in ``trainer_racks.StopResume``: stopped after step 7
+    with a Trainer checkpoint there and resumed from it to step 14. Every merge reports
+    exactly the non-padding tokens both ranks' collators saw in its window, across the
+    resume too; each rank resumes its own rackmend state (rank 1's file is altered between
+    the runs and only rank 1 sees it); every rank ends holding the syncer's values of the
+    version it holds; each run ends with a clean leave of both racks."""
+    scenario = StopResume(procs, tmp_path)
+    command = lambda lid: [*TORCHRUN, TRAINER[-1], "--endpoint", scenario.endpoint, "--id", lid,  # noqa: E731
+                           "--learners", ",".join(IDS), "--steps", str(STEPS), "--mode", "attach"]
+    scenario.run("first", lambda lid: [*command(lid), "--save-every", str(STOP), "--stop-at", str(STOP)])
+    saved = scenario.mark(tmp_path / "trainer-l0" / f"checkpoint-{STOP}")
+    assert sorted(p.name for p in (tmp_path / "trainer-l1" / f"checkpoint-{STOP}").glob("rackmend-*")) == [
+        "rackmend-rank0-of-2.pt", "rackmend-rank1-of-2.pt"]
+    scenario.run("second", lambda lid: [*command(lid), "--resume"])
+    scenario.check(saved)
