@@ -7,7 +7,8 @@ Each rank runs two fits in one process, with one ``RackmendCallback``: fit A tra
 ``--steps-a`` optimizer steps (2 micro-batches each) and Lightning's ``ModelCheckpoint``
 saves at step ``--ckpt-at``; once every learner of ``--learners`` has finished fit A
 (a file barrier in ``DIR``, so that no round mixes one rack's fit A with another's fit
-B), fit B resumes from that checkpoint and trains to ``--steps-b``. ``--strategy``:
+B), fit B resumes from that checkpoint and trains to ``--steps-b``; fit C resumes from it
+once more with ``RackmendCallback(restore=False)`` for one step. ``--strategy``:
 ``ddp`` or ``fsdp`` (``ModelParallelStrategy`` with FSDP2's ``fully_shard`` in
 ``configure_model``). Batches are sequences of varying length padded per batch; the
 collator puts each batch's real token count (the items' lengths, not the mask) in it.
@@ -16,7 +17,8 @@ Writes, per rank r, into DIR: ``<id>.tokens.<r>.json`` (per fit, the real tokens
 each micro-batch trained), ``<id>.saved.<r>.safetensors`` and ``.json`` (at the save:
 this rank's held values, model values and counters), ``<id>.resumed.<r>.safetensors``
 and ``.json`` (the same after fit B restored them), ``<id>.held.<r>`` (``save_held``
-at the end).
+at the end of fit B), ``<id>.rejoined.<r>.safetensors`` and ``.json`` (when fit C starts
+training).
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ class Probe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.fit == "b":  # the callback restored rackmend's state by now
             self._record("resumed")
+        elif self.fit == "c":  # restore=False: the rack joined after Lightning restored the model
+            self._record("rejoined")
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         path = self.out / f"{self.lid}.tokens.{self.rank}.json"
@@ -159,13 +163,14 @@ class Probe(pl.Callback):
         path.write_text(json.dumps({**done, self.fit: self.tokens}))
 
 
-def trainer(a: argparse.Namespace, rack: RackmendCallback, fit: str, steps: int) -> pl.Trainer:
+def trainer(a: argparse.Namespace, rack: RackmendCallback, fit: str, steps: int, save: bool = True) -> pl.Trainer:
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if a.strategy == "fsdp" \
         else DDPStrategy(process_group_backend="gloo")
     ckpt = ModelCheckpoint(dirpath=a.out / f"ckpt-{a.id}", filename="{step}", every_n_train_steps=a.ckpt_at,
                            save_top_k=-1)
     return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=2,
-                      callbacks=[rack, Probe(rack, a.out, a.id, fit), ckpt], logger=False,
+                      callbacks=[rack, Probe(rack, a.out, a.id, fit), *([ckpt] if save else [])], logger=False,
+                      enable_checkpointing=save,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
 
@@ -270,6 +275,10 @@ def main() -> int:
     trainer(a, rack, "b", a.steps_b).fit(RaggedLM(a.strategy == "fsdp"), data, ckpt_path=str(ckpt[0]))
     assert rack.optimizer is not None
     save_held(rack.optimizer, a.out / f"{a.id}.held.{rank}")
+    # Fit C, one step: the same checkpoint without rackmend's state (restore=False).
+    again = RackmendCallback(config, lambda: ZmqLink(a.endpoint, heartbeat_s=0.2), learner_id=a.id, restore=False)
+    trainer(a, again, "c", a.ckpt_at + 1, save=False).fit(RaggedLM(a.strategy == "fsdp"), data,
+                                                          ckpt_path=str(ckpt[0]))
     return 0
 
 

@@ -53,14 +53,16 @@ def test_ddp_and_fsdp2_racks_train_checkpoint_resume_and_leave(procs: Procs, tmp
     - tokens: every merge of fit A carries exactly the real tokens the rack's two ranks
       trained on since the previous applied merge (counted by the collator from the
       items' lengths), so a count of 1 per step, or of one rank's batches, would fail;
-    - each fit leaves cleanly: the syncer logs two ``Left`` (reason ``leave``) per rack,
+    - each fit leaves cleanly: the syncer logs three ``Left`` (reason ``leave``) per rack,
       and the second fit in the same process joins and merges again;
     - resume: every rank gets its own rackmend state back from Lightning's checkpoint
       (its own step timings, which differ between the ranks), and its model is the
       checkpoint's rebased onto the syncer's newer value,
       theta = theta_ckpt + (Theta_now - Theta_ckpt), bit for bit;
     - at the end every rank holds, of each fragment, exactly its blocks of the syncer's
-      value of the version it holds."""
+      value of the version it holds;
+    - a third fit from the same checkpoint with ``restore=False`` starts from the
+      global value it joined with, on both strategies."""
     ids = ["l0", "l1"]
     ck = tmp_path / "ck"
     syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "2", "--learners", ",".join(ids),
@@ -89,7 +91,7 @@ def test_ddp_and_fsdp2_racks_train_checkpoint_resume_and_leave(procs: Procs, tmp
             assert [e.tokens[lid] for e in got[:len(expected)]] == expected, (lid, p)
     for lid in ids:
         left = [e for e in events(tmp_path, Left) if e.learner == lid]
-        assert [e.reason for e in left] == ["leave", "leave"], left
+        assert [e.reason for e in left] == ["leave"] * 3, left
         assert any(lid in e.merged and e.t > left[0].t for e in merges), f"{lid}'s second fit merged nothing"
 
     for lid in ids:
@@ -113,6 +115,11 @@ def test_ddp_and_fsdp2_racks_train_checkpoint_resume_and_leave(procs: Procs, tmp
                 assert torch.equal(now[f"model/{b}"], expected), f"{lid} rank {rank} {b}: not rebased"
             assert any(not torch.equal(now[f"model/{b}"], then[f"model/{b}"]) for b in blocks)
         assert timings[0] != timings[1], "the ranks' states are alike: the test could not tell them apart"
+        for rank in range(2):
+            rejoined = load_file(str(tmp_path / f"{lid}.rejoined.{rank}.safetensors"))
+            blocks = sorted(k.split("/", 1)[1] for k in rejoined if k.startswith("model/"))
+            assert blocks and all(torch.equal(rejoined[f"model/{b}"], rejoined[f"held/{b}"]) for b in blocks), \
+                f"{lid} rank {rank}: restore=False did not leave the model at the joined global value"
         assert_held_equal_syncer([tmp_path / f"{lid}.held.{r}" for r in range(2)],
                                  load_file(str(ck / "syncer.safetensors")))
 

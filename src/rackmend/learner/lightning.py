@@ -2,9 +2,10 @@
 
 How it is built: the LightningModule stays an ordinary one. ``configure_optimizers``
 returns the plain optimizer (and LR schedulers) it always did, and
-``Trainer(callbacks=[RackmendCallback(config, endpoint)])`` makes the rack. At the start
-of each ``fit`` the callback wraps the module and that optimizer in a
-``RackmendOptimizer`` (which joins the syncer) and runs rackmend's per-step bookkeeping
+``Trainer(callbacks=[RackmendCallback(config, endpoint)])`` makes the rack. When each
+``fit`` starts training (``on_train_start``: after Lightning restored any checkpoint,
+whatever the strategy) the callback wraps the module and that optimizer in a
+``RackmendOptimizer``, which joins the syncer, and runs rackmend's per-step bookkeeping
 from the optimizer's step post-hook (``RackmendOptimizer.after_inner_step``). Lightning
 keeps stepping, scaling, clipping, scheduling and checkpointing the plain optimizer
 it knows. That is why the callback builds the wrapper instead of taking one from
@@ -26,12 +27,13 @@ What the callback adds to Lightning:
   the ranks gather their states to rank 0 over a gloo group: the structure as JSON,
   the tensors as raw bytes by point-to-point sends, never a pickle; a tensor equal to
   one already gathered (a DDP rack's replicated held values) travels and is stored
-  once. The model's parameters are not stored again: the model state Lightning
-  restores is the local progress rackmend rebases onto the syncer's newer value.
+  once (rank 0 holds what it gathered while the checkpoint is written: under FSDP2,
+  the held values of the whole model). The model's parameters are not stored again:
+  the model state Lightning restores is the local progress rackmend rebases onto the
+  syncer's newer value.
 
-Strategies: a single process, ``DDPStrategy`` (``"ddp"``, ``"ddp_spawn"``) and
-``ModelParallelStrategy`` with FSDP2's ``fully_shard`` (and tensor parallelism) in
-``configure_model``. ``FSDPStrategy`` is FSDP1, whose flat parameters rackmend cannot
+Strategies: a single process, ``DDPStrategy`` and ``ModelParallelStrategy`` with
+FSDP2's ``fully_shard`` (and tensor parallelism) in ``configure_model``. ``FSDPStrategy`` is FSDP1, whose flat parameters rackmend cannot
 place, and DeepSpeed owns its optimizer: both are refused, naming the alternative.
 Nothing about rounds or merges lives here: that is ``RackmendOptimizer``'s.
 
@@ -113,9 +115,10 @@ class RackmendCallback(pl.Callback):
         """The current fit's optimizer has not been closed."""
         self._hook: Any = None
         self._pending_tokens = 0.0
+        self._in_batch = False
+        """Inside a training batch, where the optimizer's steps are training steps."""
         self._pending_state: dict[str, Any] | None = None
-        """This rank's saved state, restored before the optimizer exists (DDP restores
-        callbacks before the strategy's setup); loaded once it joined."""
+        """This rank's state from the checkpoint being resumed; loaded once the rack joined."""
         self._group: Any = None
         """The gloo group the states are gathered over (None: the default group)."""
         self._per_batch = 1
@@ -125,6 +128,7 @@ class RackmendCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             _check_strategy(trainer.strategy)
+            self._pending_state = None  # a fit that failed before training leaves none for the next
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -132,9 +136,8 @@ class RackmendCallback(pl.Callback):
             raise ConfigError(
                 f"RackmendCallback wraps one optimizer, but configure_optimizers returned {len(optimizers)}; return "
                 "a single optimizer (several parameter groups if parts need their own settings)")
-        inner = optimizers[0]
-        if isinstance(inner, RackmendOptimizer):
-            inner.close()  # it joined when configure_optimizers built it: leave, not go silent
+        if isinstance(optimizers[0], RackmendOptimizer):
+            optimizers[0].close()  # it joined when configure_optimizers built it: leave, not go silent
             raise ConfigError(
                 "configure_optimizers returned a RackmendOptimizer, but RackmendCallback builds it: return the plain "
                 "optimizer (e.g. torch.optim.AdamW(self.parameters())) and its LR schedulers; the callback wraps it at "
@@ -149,25 +152,29 @@ class RackmendCallback(pl.Callback):
         if isinstance(strategy, ModelParallelStrategy) and "tensor_parallel" in (
                 strategy.device_mesh.mesh_dim_names or ()):
             self._per_batch = strategy.device_mesh["tensor_parallel"].size()
-        # Under DDP, Lightning restored the checkpoint's model before this hook: keep
-        # those values, which joining is about to overwrite with the global value.
-        restored = _local_values(pl_module) if self._pending_state is not None else None
-        link = _build_link(self.link)
-        self.optimizer = RackmendOptimizer(pl_module, inner, self.config, link, learner_id=self.learner_id)
-        self._open = True
-        self._pending_tokens = 0.0
-        if self._pending_state is not None:
-            assert restored is not None
-            state, self._pending_state = self._pending_state, None
-            _load(self.optimizer, state, restored)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Registered only now: under ModelParallelStrategy the checkpoint's optimizer
-        # state is loaded through torch.distributed.checkpoint, which may step the
-        # optimizer once with zero gradients to create its state; that is no training step.
-        assert self.optimizer is not None
-        if self._hook is None:
-            self._hook = self.optimizer.inner.register_step_post_hook(self._after_step)
+        # Built only now, once Lightning has restored a checkpoint whatever the strategy
+        # (DDP restores before its setup, ModelParallelStrategy after it), so joining
+        # comes after the restore on every strategy, and the optimizer is stepped only
+        # by training (restoring through torch.distributed.checkpoint may step it once
+        # with zero gradients to create its state).
+        inner = trainer.optimizers[0]
+        state, self._pending_state = self._pending_state, None
+        restored = _local_values(pl_module) if state is not None else None  # what joining will overwrite
+        self.optimizer = RackmendOptimizer(pl_module, inner, self.config, _build_link(self.link),
+                                           learner_id=self.learner_id)
+        self._open = True
+        self._pending_tokens, self._in_batch = 0.0, False
+        self._hook = inner.register_step_post_hook(self._after_step)
+        if state is not None:
+            assert restored is not None
+            _load(self.optimizer, state, restored)
+        elif trainer.ckpt_path is not None and self.restore:
+            log.warning("learner %s: resumed from %s, which holds no rackmend state (saved weights only, or without "
+                        "RackmendCallback): the rack joined with the current global value, and the local progress "
+                        "the checkpoint held since its last applied merge is lost", self.optimizer.learner_id,
+                        trainer.ckpt_path)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -197,10 +204,19 @@ class RackmendCallback(pl.Callback):
                 "counts attention_mask or input_ids of a dict batch. Pass RackmendCallback(..., tokens_fn=f) with "
                 "f(batch) returning the tokens (or samples) this rank trains on in the batch")
         self._pending_tokens += float(n)
+        self._in_batch = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._in_batch = False
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The inner optimizer's step post-hook: rackmend's bookkeeping for the step."""
         assert self.optimizer is not None and self._trainer is not None
+        if not self._in_batch:
+            # Not a training step: torch.distributed.checkpoint steps an optimizer
+            # without state once, with zero gradients and learning rate, to create it.
+            return
         tokens, self._pending_tokens = self._pending_tokens, 0.0
         world = self.optimizer.world_size
         if world > 1:
@@ -227,7 +243,6 @@ class RackmendCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self.restore or not state_dict:
             return
-        opt = self.optimizer
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         saved = int(state_dict["world_size"])
         if saved != world:
@@ -236,13 +251,7 @@ class RackmendCallback(pl.Callback):
                 f"its own. Resume with {saved} ranks, or pass RackmendCallback(..., restore=False) to resume the model "
                 "without it (the rack then joins with the current global value and loses the local progress since "
                 "its last applied merge)")
-        mine = _unpack(state_dict, rank)
-        if opt is not None and self._open:
-            # ModelParallelStrategy restores after setup: the optimizer has joined and
-            # the model now holds the checkpoint's values.
-            _load(opt, mine, _local_values(opt.model))
-        else:
-            self._pending_state = mine
+        self._pending_state = _unpack(state_dict, rank)  # loaded once the rack has joined, at on_train_start
 
 
 def _check_strategy(strategy: Any) -> None:
@@ -324,7 +333,7 @@ def _join(value: Any, store: dict[str, torch.Tensor]) -> Any:
 
 def _gather(state: dict[str, Any], rank: int, world: int, group: Any) -> dict[str, Any]:
     """Every rank's ``state`` on rank 0 as ``{"world_size", "ranks": [JSON text per
-    rank], "tensors": {digest: bytes}}`` (other ranks return their own only). The JSON
+    rank], "tensors": {digest: bytes}}`` (other ranks: the texts, no tensors). The JSON
     texts travel as byte tensors, the tensors' bytes by send/recv in an order every
     rank derives from the texts: nothing received is unpickled."""
     store: dict[str, torch.Tensor] = {}
