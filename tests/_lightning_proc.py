@@ -185,8 +185,8 @@ def barrier(out: Path, learners: list[str], lid: str, rank: int) -> None:
 
 
 def misuse(endpoint: str) -> int:
-    """Each way of setting a rack up wrong, in one process with one device; prints one
-    JSON line per case: the exception's type and message."""
+    """Each way of setting a rack up wrong, and one right, in one process with one
+    device; prints one JSON line per case: the exception's type and message, if any."""
     from lightning.pytorch.strategies import FSDPStrategy
 
     from rackmend import RackmendOptimizer
@@ -217,7 +217,8 @@ def misuse(endpoint: str) -> int:
     ids = torch.randint(0, VOCAB, (16, SEQ))
     padded = DataLoader(Ragged(16, 0), batch_size=BATCH, collate_fn=pad)
     tuples = DataLoader(torch.utils.data.TensorDataset(ids, ids), batch_size=BATCH)
-    cases = [("returned_rackmend", Built(False), padded, "auto", "built"),
+    cases = [("single_device", RaggedLM(False), padded, "auto", "single"),  # set up right: trains, merges, leaves
+             ("returned_rackmend", Built(False), padded, "auto", "built"),
              ("two_optimizers", Two(False), padded, "auto", "two"),
              ("tuple_batches", Tuples(False), tuples, "auto", "tuples"),
              ("fsdp1", RaggedLM(False), padded, CpuFSDP(), "fsdp1")]  # last: it starts a process group

@@ -126,7 +126,8 @@ def test_ddp_and_fsdp2_racks_train_checkpoint_resume_and_leave(procs: Procs, tmp
 
 def test_racks_set_up_wrong_are_refused_naming_the_fix(procs: Procs, tmp_path: Path) -> None:
     """One process, one device, a real syncer: each misuse raises ConfigError naming what
-    to do instead, and a rack that had joined leaves (``Left``, not a silent learner)."""
+    to do instead, and a rack that had joined leaves (``Left``, not a silent learner);
+    the same process set up right trains a single-process rack whose work is merged."""
     _, endpoint = procs.syncer("--min-quorum", "1")
     out = subprocess.run([sys.executable, PROC, "--misuse", "--endpoint", endpoint], capture_output=True, text=True,
                          timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -139,10 +140,13 @@ def test_racks_set_up_wrong_are_refused_naming_the_fix(procs: Procs, tmp_path: P
         "tuple_batches": "Pass RackmendCallback(..., tokens_fn=f)",
         "resized": "Resume with 2 ranks, or pass RackmendCallback(..., restore=False)",
     }
-    assert sorted(cases) == sorted(fixes), out.stdout
+    assert sorted(cases) == sorted([*fixes, "single_device"]), out.stdout
+    assert cases["single_device"]["error"] is None, cases["single_device"]
+    assert [e for e in events(tmp_path, Merged) if list(e.merged) == ["single"]]
     for case, fix in fixes.items():
         assert cases[case]["error"] == "ConfigError" and fix in cases[case]["message"], cases[case]
-    assert sorted((e.learner, e.reason) for e in events(tmp_path, Left)) == [("built", "leave"), ("tuples", "leave")]
+    assert sorted((e.learner, e.reason) for e in events(tmp_path, Left)) == [
+        ("built", "leave"), ("single", "leave"), ("tuples", "leave")]
 
 
 def test_example_trains_a_rack_of_two_through_a_syncer(procs: Procs, tmp_path: Path) -> None:
