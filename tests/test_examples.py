@@ -25,16 +25,24 @@ RUNS = {
     "accelerate_rack.py": ("torchrun", ["--steps", "16", "--state", "{tmp}/state"]),
 }
 NEEDS = {"hf_trainer_rack.py": "transformers", "accelerate_rack.py": "accelerate"}
+ELSEWHERE = {
+    # examples whose test checks more of what they do (it runs the example itself)
+    "lightning_rack.py": ("python", "test_lightning.py", "test_example_trains_a_rack_of_two_through_a_syncer"),
+}
 
 
-def test_every_example_is_run_here() -> None:
-    """A new example needs a line in RUNS, and every example documents its launch."""
+def test_every_example_is_run_by_a_test() -> None:
+    """A new example needs a line in RUNS (or a test of its own, in ELSEWHERE), and every
+    example documents its two-line launch."""
     found = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    assert found == sorted(RUNS), f"examples without a run in this test, or runs of missing ones: {found}"
-    for name, (launcher, _) in RUNS.items():
+    assert found == sorted([*RUNS, *ELSEWHERE]), f"examples without a test, or tests of missing ones: {found}"
+    for name, (test_file, test) in ((n, e[1:]) for n, e in ELSEWHERE.items()):
+        assert f"def {test}(" in (Path(__file__).parent / test_file).read_text(), f"{name}: {test} is gone"
+    for name, launcher in [*((n, r[0]) for n, r in RUNS.items()), *((n, e[0]) for n, e in ELSEWHERE.items())]:
         doc = (EXAMPLES / name).read_text()
         assert re.search(r"rackmend syncer --bind tcp://\S+", doc), f"{name}: no syncer command in its docstring"
         assert f"{'torchrun --nproc-per-node 2' if launcher == 'torchrun' else 'python'} examples/{name}" in doc, name
+        assert "--connect" in doc, f"{name}: examples take the syncer's address as --connect"
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))

@@ -35,6 +35,7 @@ import torch
 
 from rackmend.config import ConfigError, RackmendConfig
 from rackmend.core.messages import Update
+from rackmend.learner.batches import count_batch_tokens
 from rackmend.learner.optimizer import RackmendOptimizer
 from rackmend.transport.base import LearnerLink
 
@@ -51,18 +52,6 @@ log = logging.getLogger("rackmend.learner")
 
 PREFIX = "rackmend/"
 """Prefix of the keys this module adds to the Trainer's logs."""
-
-
-def count_batch_tokens(batch: Mapping[str, Any]) -> int | None:
-    """Tokens a batch trains on: the sum of ``attention_mask`` (padding does not count),
-    else the number of elements of ``input_ids``; None when the batch has neither."""
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return int(mask.sum())
-    ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor):
-        return ids.numel()
-    return None
 
 
 class RackmendCallback(transformers.TrainerCallback):
