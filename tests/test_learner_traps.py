@@ -494,3 +494,37 @@ def test_an_inner_optimizer_of_other_tensors_is_refused_and_tensors_outside_the_
         assert len(warned) == 1 and "steps 2 tensors" in warned[0] and "[[3, 1], [3]]" in warned[0], warned
         assert opt.step_count == 3
         opt.close()
+
+
+def test_per_rank_state_files_round_trip_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    """``state_per_rank``: ``state_dict`` carries the inner optimizer and a marker only,
+    loading it restores the inner optimizer alone; ``save_rank_state`` /
+    ``load_rank_state`` carry rackmend's part in a file of the rank's own, and a
+    missing file is named with what to do."""
+    config = _config(P=1, M=1)
+    with InProcessSyncer.for_model(config, _WithNorm()) as hub:
+        model = _WithNorm()
+        opt = RackmendOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, hub.connect(),
+                                learner_id="l0")
+        opt.state_per_rank = True
+        for _ in range(H + 2):
+            model(torch.randn(8, 4)).backward()
+            opt.step(tokens=8)
+            opt.zero_grad()
+        state = opt.state_dict()
+        assert state["rackmend"] == {"per_rank": "rackmend-rank{rank}-of-{world}.pt"} and state["inner"]["state"]
+        path = opt.save_rank_state(tmp_path / "ckpt")
+        assert path == tmp_path / "ckpt" / "rackmend-rank0-of-1.pt" and not list((tmp_path / "ckpt").glob("*.tmp"))
+        counters = (opt.step_count, opt.versions, opt.c_tokens)
+        opt.close()
+        model2 = _WithNorm()
+        opt2 = RackmendOptimizer(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), config, hub.connect(),
+                                 learner_id="l0")
+        opt2.load_state_dict(state)  # the inner optimizer only
+        assert opt2.step_count == 0 and opt2.inner.state_dict()["state"]
+        with pytest.raises(FileNotFoundError, match=r"no rackmend state for rank 0 of 1 at .*elsewhere.*"
+                                                    r"rackmend-rank0-of-1\.pt"):
+            opt2.load_rank_state(tmp_path / "elsewhere")
+        opt2.load_rank_state(tmp_path / "ckpt")
+        assert (opt2.step_count, opt2.versions, opt2.c_tokens) == counters
+        opt2.close()
