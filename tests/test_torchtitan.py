@@ -98,6 +98,7 @@ def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 
     return out
 
 
+@pytest.mark.slow
 def test_two_fsdp2_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
                                                                                    tmp_path: Path) -> None:
     """Two torchtitan racks (the example, FSDP2 over 2 gloo ranks each), deterministic,
