@@ -13,7 +13,8 @@ the device module when imported):
 
 Overrides (torchtitan's ``--override.imports``, applied to the config before anything is
 built):
-- ``sdpa_on_cpu``: FlexAttention has no backward on the CPU; SDPA (causal) instead;
+- ``sdpa_on_cpu``: FlexAttention has no backward on the CPU; SDPA (causal) on each rank's
+  heads instead (DTensor has no sharding rule for the CPU's SDPA, which TP would need);
 - ``recording_loader``: the chat loader, also writing each batch's valid tokens (labels
   that are not ``IGNORE_INDEX``) to ``$TITAN_RECORD.tokens.<rank>``, one line a batch;
 - ``recording_optimizer``: rackmend's container, also writing what rackmend's state holds
@@ -31,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed import distributed_c10d
 from torch.distributed.fsdp import FSDPModule
 
@@ -76,9 +78,24 @@ def _record(suffix: str) -> str:
     return f"{os.environ['TITAN_RECORD']}.{suffix}.{dist.get_rank()}"
 
 
+class MathAttention(ScaledDotProductAttention):
+    """SDPA on each rank's heads (tensor parallelism shards the heads): DTensor has no
+    sharding rule for the CPU's SDPA kernels, and attention never mixes heads."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(q, DTensor):
+            return super().forward(q, k, v, **kwargs)
+        out = super().forward(q.to_local(), k.to_local(), v.to_local(), **kwargs)
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+
+
 @override(target=FlexAttention.Config, description="CPU: FlexAttention has no backward on the CPU")
-def sdpa_on_cpu(cfg: FlexAttention.Config) -> ScaledDotProductAttention.Config:
-    return ScaledDotProductAttention.Config()
+def sdpa_on_cpu(cfg: FlexAttention.Config) -> MathAttention.Config:
+    return MathAttention.Config()
 
 
 class RecordingChatLoader(ChatDataLoader):

@@ -30,6 +30,8 @@ EXAMPLE = HERE.parent / "examples" / "torchtitan_rack.py"
 H, P, TAU, STEPS, CKPT = 4, 2, 1, 12, 7
 """Fragment 1 is sent at steps 2, 6, 10 and fragment 0 at 4, 8, 12; each merged value is
 applied one step later, so at the checkpoint (after step 7) none is in flight."""
+TP = {"l1": ("--parallelism.tensor-parallel-degree", "2")}
+"""Racks sharded by tensor parallelism instead of FSDP2 (both ranks read the same batch)."""
 
 
 def make_assets(root: Path) -> tuple[Path, Path]:
@@ -72,18 +74,22 @@ def _rack(procs: Procs, tmp: Path, endpoint: str, lid: str, phase: str, *extra: 
            "--dump-folder", str(tmp / lid), "--training.steps", str(STEPS), "--metrics.log-freq", str(STEPS),
            "--checkpoint.enable", "--checkpoint.interval", str(CKPT), "--checkpoint.no-last-save-model-only",
            "--override.imports", "_titan_shims.sdpa_on_cpu", "_titan_shims.recording_loader",
-           "_titan_shims.recording_optimizer", *extra]
+           "_titan_shims.recording_optimizer", *TP.get(lid, ()), *extra]
     env = {"TITAN_RECORD": str(tmp / f"{phase}-{lid}"), "HF_DATASETS_OFFLINE": "1",
            "HF_HOME": str(tmp / "hf"), "PYTHONPATH": str(HERE)}
     return procs.start(cmd, f"{phase}-{lid}", env)
 
 
-def _step_tokens(tmp: Path, record: str) -> tuple[list[int], int]:
-    """Per step, the valid tokens of the rack (its 2 ranks' batches), and all labels."""
+def _step_tokens(tmp: Path, record: str, lid: str) -> tuple[list[int], int]:
+    """Per step, the valid tokens of the rack, and all its labels: of both ranks' batches
+    (FSDP), or of the one batch both ranks read (TP)."""
     ranks = [[tuple(map(int, line.split())) for line in (tmp / f"{record}.tokens.{r}").read_text().splitlines()]
              for r in range(2)]
-    assert len(ranks[0]) == len(ranks[1])
-    return [a[0] + b[0] for a, b in zip(*ranks)], sum(n for rank in ranks for _, n in rank)
+    if lid in TP:
+        assert ranks[0] == ranks[1], "the TP ranks read different batches"
+        ranks = ranks[:1]
+    assert len(ranks[0]) == len(ranks[-1])
+    return [sum(rank[t][0] for rank in ranks) for t in range(len(ranks[0]))], sum(n for rank in ranks for _, n in rank)
 
 
 def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 1) -> list[int]:
@@ -99,10 +105,10 @@ def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 
 
 
 @pytest.mark.slow
-def test_two_fsdp2_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
-                                                                                   tmp_path: Path) -> None:
-    """Two torchtitan racks (the example, FSDP2 over 2 gloo ranks each), deterministic,
-    through a checkpointing syncer. First run, steps 1-12 with torchtitan's checkpoint at
+def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
+                                                                                      tmp_path: Path) -> None:
+    """Two torchtitan racks (the example on 2 gloo ranks each: l0 FSDP2, l1 tensor
+    parallel), deterministic, through a checkpointing syncer. First run, steps 1-12 with torchtitan's checkpoint at
     step 7: every merge takes both racks with exactly the valid tokens (labels not
     IGNORE_INDEX: chat prompts and padding are masked) their batches held, and each rack
     leaves cleanly at the end. Second run, both racks resume from step 7: each rank gets
@@ -130,8 +136,8 @@ def test_two_fsdp2_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoi
     merges = {phase: [e for e in of(log, Merged) if (e.t < first_run_end) == (phase == "A")] for phase in "AB"}
     offsets = fragment_offsets(P, H)
     for lid in ids:
-        steps_a, labels_a = _step_tokens(tmp_path, f"A-{lid}")
-        steps_b, _ = _step_tokens(tmp_path, f"B-{lid}")
+        steps_a, labels_a = _step_tokens(tmp_path, f"A-{lid}", lid)
+        steps_b, _ = _step_tokens(tmp_path, f"B-{lid}", lid)
         assert len(steps_a) == STEPS and sum(steps_a) < labels_a, "no label was masked: valid = all tokens"
         assert steps_b == steps_a[CKPT:], "the resumed rack did not read the batches after the checkpoint"
         for p, offset in enumerate(offsets):
