@@ -70,6 +70,7 @@ from torchtitan.config.override import derive, override  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import ChatDataLoader  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 
+from rackmend import RackmendOptimizer  # noqa: E402
 from rackmend.learner.titan import RackmendOptimizersContainer  # noqa: E402
 from rackstate import save_held  # noqa: E402
 
@@ -125,12 +126,12 @@ class RecordingContainer(RackmendOptimizersContainer):
     class Config(RackmendOptimizersContainer.Config):
         pass
 
-    def __init__(self, config: Config, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        opt = self.rackmend
+    def build_rackmend(self) -> RackmendOptimizer:
+        opt = super().build_rackmend()
         opt.register_state_dict_post_hook(
             lambda _, sd: torch.save(_summary(sd["rackmend"]), _record("saved") + f".{sd['rackmend']['step']}.pt"))
         opt.register_load_state_dict_pre_hook(lambda _, sd: torch.save(_summary(sd["rackmend"]), _record("loaded") + ".pt"))
+        return opt
 
     def close(self) -> None:
         save_held(self.rackmend, _record("held"))

@@ -104,7 +104,6 @@ def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 
     return out
 
 
-@pytest.mark.slow
 def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
                                                                                       tmp_path: Path) -> None:
     """Two torchtitan racks (the example on 2 gloo ranks each: l0 FSDP2, l1 tensor

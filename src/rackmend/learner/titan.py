@@ -12,7 +12,10 @@ What each part does, and why it sits where it does:
 - ``RackmendOptimizersContainer`` is torchtitan's ``OptimizersContainer`` (the class it
   documents for subclassing) with ``step()`` routed through a ``RackmendOptimizer`` around
   the one inner optimizer, which stays ``optimizers[0]``: the LR schedulers and the
-  checkpointer see the inner optimizer as before.
+  checkpointer see the inner optimizer as before. The learner joins at the start of
+  training, after torchtitan has loaded any checkpoint into the model (not when the
+  optimizers are built, before that load): a new syncer takes its first values from the
+  model the rack trains, not from its random initialisation.
 - Tokens: torchtitan counts each step's valid tokens (labels that are not
   ``IGNORE_INDEX``, over the step's micro-batches, summed over the batch mesh) and hands
   the count to ``forward_backward_step`` only; it never reaches the optimizer, and the
@@ -93,10 +96,15 @@ class RackmendOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizers container whose ``step`` is a ``RackmendOptimizer``'s.
 
     The inner optimizer is the one the config's ``param_groups`` build, kept as
-    ``optimizers[0]``; ``rackmend`` is the ``RackmendOptimizer`` around it (built, and
-    joined to the syncer, here). ``note_tokens`` takes the step's valid-token count of the
-    whole rack (``RackmendTrainer`` passes it); without it a step counts what
-    ``RackmendOptimizer`` falls back to (``LearnerConfig.tokens_per_step``, else 1).
+    ``optimizers[0]``. ``rackmend`` is the ``RackmendOptimizer`` around it, built (and
+    joined to the syncer) at its first use: the first ``zero_grad`` of training, after
+    torchtitan's checkpoint load, so that weights loaded from an initial checkpoint
+    (``--checkpoint.initial-load-path``) are what the rack offers a new syncer and what
+    its contributions start from; or, on a resume, when the checkpointer asks for the
+    state to load into. ``build_rackmend`` builds it; override it to set
+    ``on_fail_slow``, ``probe_loss`` or hooks. ``note_tokens`` takes the step's valid
+    tokens of the whole rack (``RackmendTrainer`` passes them); without it a step counts
+    what ``RackmendOptimizer`` falls back to (``LearnerConfig.tokens_per_step``, else 1).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -117,14 +125,28 @@ class RackmendOptimizersContainer(OptimizersContainer):
                 f"rackmend wraps one inner optimizer, but optimizer.param_groups build {len(self.optimizers)} "
                 f"({', '.join(names)}); give every param group the same optimizer_name (their own lr and "
                 "weight_decay stay per group)")
-        section = config.rackmend
-        if not section.endpoint:
+        if not config.rackmend.endpoint:
             raise ConfigError("no syncer endpoint: set --rackmend.endpoint tcp://HOST:PORT (rackmend syncer --bind)")
-        self.rackmend = RackmendOptimizer(model_parts[0], self.optimizers[0], section.config,
-                                          ZmqLink(section.endpoint), learner_id=section.learner_id or None)
-        self._key = f"rackmend.rank{self.rackmend.rank}"
+        self.section = config.rackmend
+        self._rackmend: RackmendOptimizer | None = None
         self._tokens: torch.Tensor | None = None
         self._loaded: dict[str, Any] | None = None
+
+    def build_rackmend(self) -> RackmendOptimizer:
+        """The ``RackmendOptimizer`` of this rank; it joins the syncer."""
+        section = self.section
+        return RackmendOptimizer(self.model_parts[0], self.optimizers[0], section.config, ZmqLink(section.endpoint),
+                                 learner_id=section.learner_id or None)
+
+    @property
+    def rackmend(self) -> RackmendOptimizer:
+        if self._rackmend is None:
+            self._rackmend = self.build_rackmend()
+        return self._rackmend
+
+    @property
+    def _key(self) -> str:
+        return f"rackmend.rank{self.rackmend.rank}"
 
     def note_tokens(self, rack_tokens: torch.Tensor) -> None:
         """This step's valid tokens over the whole rack (all its ranks' batches); the
@@ -154,22 +176,24 @@ class RackmendOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._key not in state_dict:
             raise ValueError(
-                f"this checkpoint holds no rackmend state for rank {self.rackmend.rank} ({self._key}): it was "
-                "saved without rackmend or with another number of ranks; load its model only "
-                "(--checkpoint.exclude-from-loading optimizer) to start the rack from it")
+                f"this state holds no rackmend state for rank {self.rackmend.rank} ({self._key}): it was saved "
+                "without rackmend or with another number of ranks")
         super().load_state_dict(state_dict)
-        # After the model: torchtitan loads the model's parameters once DCP is done with
-        # every Stateful, and that would undo the rebase (see the module docstring).
+        # Applied later: torchtitan loads the model's parameters once DCP is done with
+        # every Stateful, which would undo the rebase (see the module docstring).
         self._loaded = state_dict[self._key]
 
     def _restore(self) -> None:
+        """Join, if not yet done, and apply rackmend's loaded state, if any."""
+        rackmend = self.rackmend
         if self._loaded is not None:
             loaded, self._loaded = self._loaded, None
-            self.rackmend.load_state_dict({"rackmend": loaded})
+            rackmend.load_state_dict({"rackmend": loaded})
 
     def close(self) -> None:
-        """Leave the run (``RackmendOptimizer.close``)."""
-        self.rackmend.close()
+        """Leave the run (``RackmendOptimizer.close``), if this rank ever joined."""
+        if self._rackmend is not None:
+            self._rackmend.close()
 
 
 class RackmendTrainer(Trainer):
