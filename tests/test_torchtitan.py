@@ -64,9 +64,10 @@ def make_assets(root: Path) -> tuple[Path, Path]:
     return tokenizer, data
 
 
-def _rack(procs: Procs, tmp: Path, endpoint: str, lid: str, phase: str, *extra: str) -> subprocess.Popen:
+def _rack(procs: Procs, tmp: Path, endpoint: str, lid: str, phase: str, *extra: str,
+          ranks: int = 2) -> subprocess.Popen:
     tokenizer, data = tmp / "tokenizer", tmp / "chat.jsonl"
-    cmd = [*TORCHRUN, PROC, "--rackmend.endpoint", endpoint, "--rackmend.learner-id", lid,
+    cmd = [*TORCHRUN[:-1], str(ranks), PROC, "--rackmend.endpoint", endpoint, "--rackmend.learner-id", lid,
            "--rackmend.config.deterministic", "--rackmend.config.schedule.sync-every", str(H),
            "--rackmend.config.schedule.num-fragments", str(P), "--rackmend.config.schedule.overlap", str(TAU),
            "--rackmend.config.learner.wait-timeout", "120",
@@ -104,6 +105,7 @@ def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
                                                                                       tmp_path: Path) -> None:
     """Two torchtitan racks (the example on 2 gloo ranks each: l0 FSDP2, l1 tensor
@@ -114,7 +116,10 @@ def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_check
     back its own rackmend state from torchtitan's checkpoint (its rank, blocks, counters
     and held values, not another rank's), reads the same batches again and reports the
     same tokens for the same sends; at the end every rank holds its blocks of the
-    syncer's values, bit for bit, and both racks leave again."""
+    syncer's values, bit for bit, and both racks leave again. Last, a rack started from
+    l0's checkpoint as torchtitan's initial load joins after the load: a new syncer's
+    global model is the checkpoint's (joining when the optimizers are built, before the
+    load, gave the syncer the rack's random initialisation)."""
     make_assets(tmp_path)
     ids = ["l0", "l1"]
     ck = tmp_path / "ck"
@@ -161,6 +166,31 @@ def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_check
     for phase in "AB":
         assert merges[phase] and all(list(e.merged) == ids for e in merges[phase])
     assert len(merges["A"]) == 6 and len(merges["B"]) == 3
+
+    # A rack that starts from a model-only checkpoint (l0's at step 7) joins after
+    # torchtitan loaded it: a new syncer's global model is those weights.
+    (tmp_path / "events.jsonl").rename(tmp_path / "events-AB.jsonl")
+    syncer, endpoint = procs.syncer("--deterministic", "--min-quorum", "1", "--overlap", str(TAU), "--checkpoint-dir",
+                                    str(tmp_path / "ck-C"), name="syncer-C")
+    start = _rack(procs, tmp_path, endpoint, "l2", "C", "--training.steps", "1", "--checkpoint.initial-load-path",
+                  str(tmp_path / "l0" / "checkpoint" / f"step-{CKPT}"), ranks=1)
+    finish(start, procs, "C-l2", timeout=300)
+    syncer.send_signal(signal.SIGTERM)
+    assert syncer.wait(30) == 0
+    assert not of(events(tmp_path), Merged), "a merge changed the syncer's first value"
+    subprocess.run([sys.executable, "-m", "rackmend.cli", "export", str(tmp_path / "ck-C"), "--out",
+                    str(tmp_path / "global.safetensors")], check=True, timeout=120)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "l0" / "checkpoint" / f"step-{CKPT}", tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)  # written by this test's own rack
+    exported = load_file(str(tmp_path / "global.safetensors"))
+    # torchtitan saves its fused q/k/v projection split into wq, wk and wv.
+    assert [name for name in exported if name not in ckpt] == [f"layers.{i}.attention.qkv_linear.wqkv.weight"
+                                                                for i in range(2)]
+    for name, value in exported.items():
+        if name in ckpt:
+            assert torch.equal(value, ckpt[name]), f"{name}: the syncer's first value is not the checkpoint's"
 
 
 def test_pipeline_parallelism_and_several_inner_optimizers_are_refused(tmp_path: Path) -> None:
