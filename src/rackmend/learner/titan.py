@@ -3,9 +3,10 @@
 A config function returns ``with_rackmend(config)`` (a ``RackmendTrainer.Config``, the
 ``Trainer.Config`` it was given plus a ``rackmend`` section) and torchtitan's own
 ``torchtitan.train`` runs it: ``--module my_configs --config my_rack --rackmend.endpoint
-tcp://sync:5555 --rackmend.learner-id rackA``. torchtitan builds whatever class a config's
-``Config`` belongs to, so this is its documented way to bring a trainer of one's own; its
-loop, LR schedulers, checkpointer and parallelisms stay torchtitan's.
+tcp://sync:5555 --rackmend.learner-id rackA``. torchtitan builds the class a config's
+``Config`` belongs to (``Configurable``), which is how its own experiments bring a trainer
+of their own (torchft's ``FaultTolerantTrainer``); here the subclass overrides two methods,
+not the loop, and torchtitan's LR schedulers, checkpointer and parallelisms stay its own.
 
 What each part does, and why it sits where it does:
 
@@ -45,7 +46,6 @@ or merges lives here: that is ``RackmendOptimizer``'s.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,6 @@ except ImportError as exc:  # pragma: no cover - exercised only where torchtitan
                       f"({exc})") from exc
 
 __all__ = ["RackmendOptimizersContainer", "RackmendSection", "RackmendTrainer", "with_rackmend"]
-
-log = logging.getLogger("rackmend.learner")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +100,8 @@ class RackmendOptimizersContainer(OptimizersContainer):
     (``--checkpoint.initial-load-path``) are what the rack offers a new syncer and what
     its contributions start from; or, on a resume, when the checkpointer asks for the
     state to load into. ``build_rackmend`` builds it; override it to set
-    ``on_fail_slow``, ``probe_loss`` or hooks. ``note_tokens`` takes the step's valid
+    ``on_fail_slow``, ``probe_loss`` or hooks (and swap the subclass in with torchtitan's
+    ``--override.imports``, as tests/_titan_shims.py does). ``note_tokens`` takes the step's valid
     tokens of the whole rack (``RackmendTrainer`` passes them); without it a step counts
     what ``RackmendOptimizer`` falls back to (``LearnerConfig.tokens_per_step``, else 1).
     """
