@@ -93,14 +93,14 @@ def _step_tokens(tmp: Path, record: str, lid: str) -> tuple[list[int], int]:
     return [sum(rank[t][0] for rank in ranks) for t in range(len(ranks[0]))], sum(n for rank in ranks for _, n in rank)
 
 
-def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 1) -> list[int]:
+def _expected(step_tokens: list[int], offset: int) -> list[int]:
     """Per send of a fragment at ``offset``, the rack's tokens it reports in deterministic
-    mode: the steps since its previous value was applied (at t_send + tau). Steps count
-    from ``first`` (step_tokens[0] is step ``first``); the first window from ``start``."""
-    out, last = [], first + len(step_tokens) - 1
-    for t in range(first, last + 1):
+    mode: the steps since its previous value was applied (at t_send + tau; the first send
+    counts from step 1). ``step_tokens[0]`` is step 1."""
+    out, start = [], 1
+    for t in range(1, len(step_tokens) + 1):
         if (t - offset) % H == 0:
-            out.append(sum(step_tokens[start - first:t - first + 1]))
+            out.append(sum(step_tokens[start - 1:t]))
             start = t + TAU + 1
     return out
 
@@ -109,17 +109,19 @@ def _expected(step_tokens: list[int], offset: int, first: int = 1, start: int = 
 def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
                                                                                       tmp_path: Path) -> None:
     """Two torchtitan racks (the example on 2 gloo ranks each: l0 FSDP2, l1 tensor
-    parallel), deterministic, through a checkpointing syncer. First run, steps 1-12 with torchtitan's checkpoint at
-    step 7: every merge takes both racks with exactly the valid tokens (labels not
-    IGNORE_INDEX: chat prompts and padding are masked) their batches held, and each rack
-    leaves cleanly at the end. Second run, both racks resume from step 7: each rank gets
-    back its own rackmend state from torchtitan's checkpoint (its rank, blocks, counters
-    and held values, not another rank's), reads the same batches again and reports the
-    same tokens for the same sends; at the end every rank holds its blocks of the
-    syncer's values, bit for bit, and both racks leave again. Last, a rack started from
-    l0's checkpoint as torchtitan's initial load joins after the load: a new syncer's
-    global model is the checkpoint's (joining when the optimizers are built, before the
-    load, gave the syncer the rack's random initialisation)."""
+    parallel), deterministic, through a checkpointing syncer.
+
+    First run, steps 1-12 with torchtitan's checkpoint at step 7: every merge takes both
+    racks with exactly the valid tokens (labels not IGNORE_INDEX: chat prompts and
+    padding are masked) their batches held, and each rack leaves cleanly at the end.
+    Second run, both racks resume from step 7: each rank gets back its own rackmend state
+    from torchtitan's checkpoint (its rank, blocks, counters and held values, not another
+    rank's), reads the same batches again and reports the same tokens for the same sends;
+    at the end every rank holds its blocks of the syncer's values, bit for bit, and both
+    racks leave again. Last, a rack started from l0's checkpoint as torchtitan's initial
+    load joins after the load: a new syncer's global model is the checkpoint's (joining
+    when the optimizers are built, before the load, gave the syncer the rack's random
+    initialisation)."""
     make_assets(tmp_path)
     ids = ["l0", "l1"]
     ck = tmp_path / "ck"
@@ -157,6 +159,7 @@ def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_check
             assert loaded["rank"] == saved["rank"] == rank
             for key in ("step", "versions", "c_steps", "c_tokens", "blocks"):
                 assert loaded[key] == saved[key], f"{lid} rank {rank}: {key} {loaded[key]} != {saved[key]}"
+            assert len(sum(saved["held"], [])) == len(sum(loaded["held"], []))
             for a, b in zip(sum(saved["held"], []), sum(loaded["held"], [])):
                 assert torch.equal(a, b), f"{lid} rank {rank}: held values not its own"
             held_saved.append(sum(saved["held"], []))
@@ -183,7 +186,7 @@ def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_check
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(tmp_path / "l0" / "checkpoint" / f"step-{CKPT}", tmp_path / "ckpt.pt")
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)  # written by this test's own rack
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     exported = load_file(str(tmp_path / "global.safetensors"))
     # torchtitan saves its fused q/k/v projection split into wq, wk and wv.
     assert [name for name in exported if name not in ckpt] == [f"layers.{i}.attention.qkv_linear.wqkv.weight"
