@@ -28,7 +28,11 @@ NEEDS = {"hf_trainer_rack.py": "transformers", "accelerate_rack.py": "accelerate
 ELSEWHERE = {
     # examples whose test checks more of what they do (it runs the example itself)
     "lightning_rack.py": ("python", "test_lightning.py", "test_example_trains_a_rack_of_two_through_a_syncer"),
+    "torchtitan_rack.py": ("torchrun", "test_torchtitan.py",
+                           "test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint"),
 }
+CONNECT = {"torchtitan_rack.py": "--rackmend.endpoint"}
+"""How an example takes the syncer's address where it is not --connect (torchtitan's own CLI)."""
 
 
 def test_every_example_is_run_by_a_test() -> None:
@@ -42,7 +46,7 @@ def test_every_example_is_run_by_a_test() -> None:
         doc = (EXAMPLES / name).read_text()
         assert re.search(r"rackmend syncer --bind tcp://\S+", doc), f"{name}: no syncer command in its docstring"
         assert f"{'torchrun --nproc-per-node 2' if launcher == 'torchrun' else 'python'} examples/{name}" in doc, name
-        assert "--connect" in doc, f"{name}: examples take the syncer's address as --connect"
+        assert CONNECT.get(name, "--connect") in doc, f"{name}: examples take the syncer's address as --connect"
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
