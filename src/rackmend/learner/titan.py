@@ -22,8 +22,8 @@ What each part does, and why it sits where it does:
   the count to ``forward_backward_step`` only; it never reaches the optimizer, and the
   model's forward never sees the labels, so a forward hook (as in ``rackmend.learner.hf``)
   could count only inputs. ``RackmendTrainer.forward_backward_step`` passes that count on,
-  and ``step`` gives rackmend this rank's share, ``count / world`` (the learner counts
-  ``n x world``; every rank of the rack is a rank of this job).
+  and ``step`` gives rackmend this rank's share, ``count / world`` (the learner sums its
+  ranks' counts; every rank of the rack is a rank of this job).
 - Leaving: torchtitan calls ``Trainer.close()`` when training ends (and when it fails);
   ``RackmendTrainer.close`` closes rackmend after torchtitan's own parts, so the syncer
   logs a clean ``leave``.
