@@ -1,9 +1,8 @@
-"""Hugging Face accelerate racks through ``rackmend.learner.accel``, with real torchrun
-ranks (gloo) and a real ``rackmend syncer`` on 127.0.0.1; the misuses it names."""
+"""Hugging Face accelerate through ``rackmend.learner.accel``: the misuses it names. Racks
+of 2 ranks with a real syncer, stopped and resumed: test_huggingface.py's
+``test_a_trainer_rack_and_an_accelerate_rack_of_two_ranks_merge_resume_each_ranks_state_and_leave``."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,30 +10,7 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from procs import HERE, TORCHRUN, Procs  # noqa: E402
 from rackmend import ConfigError, InProcessSyncer, RackmendConfig, RackmendOptimizer, ScheduleConfig  # noqa: E402
-from trainer_racks import IDS, STEPS, STOP, StopResume  # noqa: E402
-
-PROC = str(HERE / "_accelerate_proc.py")
-
-
-def test_accelerate_racks_of_two_ranks_merge_resume_each_ranks_state_and_leave(procs: Procs, tmp_path: Path) -> None:
-    """Two accelerate racks of 2 ranks each, the inner optimizer built before the model was
-    prepared (before: refused at step 1 with 2 ranks, accelerate having copied the model to
-    cpu:0), in ``trainer_racks.StopResume``: stopped after step 7 with
-    ``accelerator.save_state`` and resumed with ``load_state`` to step 14. Every merge
-    reports exactly the non-padding tokens both ranks passed to ``add_tokens`` in its
-    window; each rank resumes its own rackmend state (rank 1's file altered between the
-    runs); every rank ends holding the syncer's values of the version it holds; both runs
-    end with a clean leave of both racks."""
-    scenario = StopResume(procs, tmp_path)
-    command = lambda lid: [*TORCHRUN, PROC, "--endpoint", scenario.endpoint, "--id", lid,  # noqa: E731
-                           "--learners", ",".join(IDS), "--steps", str(STEPS),
-                           "--folder", str(tmp_path / f"state-{lid}")]
-    scenario.run("first", lambda lid: [*command(lid), "--stop-at", str(STOP)])
-    saved = scenario.mark(tmp_path / "state-l0")
-    scenario.run("second", lambda lid: [*command(lid), "--resume"])
-    scenario.check(saved)
 
 
 def _config() -> RackmendConfig:

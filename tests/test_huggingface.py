@@ -17,6 +17,7 @@ from rackmend.core.records import Merged, Rejected, TokenUnits  # noqa: E402
 from rackmend.service.events import BadMessage  # noqa: E402
 
 TRAINER = [sys.executable, str(HERE / "_trainer_proc.py")]
+ACCELERATE = str(HERE / "_accelerate_proc.py")
 TOKENS_PER_STEP = 4 * 16  # the helper's batch x sequence length
 
 
@@ -105,21 +106,26 @@ def test_transformers_stays_optional() -> None:
     assert "needs the Hugging Face transformers package: pip install transformers" in out.stdout
 
 
-def test_trainer_racks_of_two_ranks_merge_resume_each_ranks_state_and_leave(procs: Procs, tmp_path: Path) -> None:
-    """Two Trainer racks of 2 DDP ranks each (torchrun, gloo) with ``attach_to_trainer``
-    (before: both ranks refused at step 1, accelerate having copied the model to cpu:0
-    after rackmend took its views), in ``trainer_racks.StopResume``: stopped after step 7
-    with a Trainer checkpoint there and resumed from it to step 14. Every merge reports
-    exactly the non-padding tokens both ranks' collators saw in its window, across the
-    resume too; each rank resumes its own rackmend state (rank 1's file is altered between
-    the runs and only rank 1 sees it); every rank ends holding the syncer's values of the
-    version it holds; each run ends with a clean leave of both racks."""
+def test_a_trainer_rack_and_an_accelerate_rack_of_two_ranks_merge_resume_each_ranks_state_and_leave(
+        procs: Procs, tmp_path: Path) -> None:
+    """Two racks of 2 DDP ranks each (torchrun, gloo) training one GPT-2: l0 a Hugging Face
+    Trainer with ``attach_to_trainer``, l1 an accelerate loop through
+    ``rackmend.learner.accel.prepare`` with its inner optimizer built before the model was
+    prepared (before: both refused at step 1, accelerate having copied the model to cpu:0
+    after rackmend took its views). In ``trainer_racks.StopResume`` each stops after step 7
+    with its trainer's own checkpoint (the Trainer's checkpoint-7, ``accelerator.save_state``)
+    and resumes from it to step 14. Every merge reports exactly the non-padding tokens both
+    ranks' collators saw in its window, across the resume too; each rank resumes its own
+    rackmend state (rank 1's file is altered between the runs and only rank 1 sees it);
+    every rank ends holding the syncer's values of the version it holds; each run ends
+    with a clean leave of both racks."""
     scenario = StopResume(procs, tmp_path)
-    command = lambda lid: [*TORCHRUN, TRAINER[-1], "--endpoint", scenario.endpoint, "--id", lid,  # noqa: E731
-                           "--learners", ",".join(IDS), "--steps", str(STEPS), "--mode", "attach"]
-    scenario.run("first", lambda lid: [*command(lid), "--save-every", str(STOP), "--stop-at", str(STOP)])
+    common = ["--endpoint", scenario.endpoint, "--learners", ",".join(IDS), "--steps", str(STEPS)]
+    rack = {"l0": [*TORCHRUN, TRAINER[-1], "--id", "l0", *common, "--mode", "attach", "--save-every", str(STOP)],
+            "l1": [*TORCHRUN, ACCELERATE, "--id", "l1", *common, "--folder", str(tmp_path / "state-l1")]}
+    scenario.run("first", lambda lid: [*rack[lid], "--stop-at", str(STOP)])
     saved = scenario.mark(tmp_path / "trainer-l0" / f"checkpoint-{STOP}")
-    assert sorted(p.name for p in (tmp_path / "trainer-l1" / f"checkpoint-{STOP}").glob("rackmend-*")) == [
+    assert sorted(p.name for p in (tmp_path / "state-l1").glob("rackmend-*")) == [
         "rackmend-rank0-of-2.pt", "rackmend-rank1-of-2.pt"]
-    scenario.run("second", lambda lid: [*command(lid), "--resume"])
+    scenario.run("second", lambda lid: [*rack[lid], "--resume"])
     scenario.check(saved)

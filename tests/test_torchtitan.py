@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from procs import HERE, TORCHRUN, Procs, events, finish, of  # noqa: E402
+from trainer_racks import expected_tokens  # noqa: E402
 from rackmend.core.fragments import fragment_offsets  # noqa: E402
 from rackmend.core.records import Joined, Left, Merged, Rejected  # noqa: E402
 from rackmend.service.events import BadMessage  # noqa: E402
@@ -93,18 +94,6 @@ def _step_tokens(tmp: Path, record: str, lid: str) -> tuple[list[int], int]:
     return [sum(rank[t][0] for rank in ranks) for t in range(len(ranks[0]))], sum(n for rank in ranks for _, n in rank)
 
 
-def _expected(step_tokens: list[int], offset: int) -> list[int]:
-    """Per send of a fragment at ``offset``, the rack's tokens it reports in deterministic
-    mode: the steps since its previous value was applied (at t_send + tau; the first send
-    counts from step 1). ``step_tokens[0]`` is step 1."""
-    out, start = [], 1
-    for t in range(1, len(step_tokens) + 1):
-        if (t - offset) % H == 0:
-            out.append(sum(step_tokens[start - 1:t]))
-            start = t + TAU + 1
-    return out
-
-
 @pytest.mark.slow
 def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_checkpoint(procs: Procs,
                                                                                       tmp_path: Path) -> None:
@@ -148,7 +137,7 @@ def test_fsdp2_and_tp_racks_count_tokens_leave_and_resume_from_torchtitans_check
         assert steps_b == steps_a[CKPT:], "the resumed rack did not read the batches after the checkpoint"
         for p, offset in enumerate(offsets):
             got_a = [e.tokens[lid] for e in merges["A"] if e.fragment == p]
-            assert got_a == _expected(steps_a, offset), f"{lid} fragment {p}: merged tokens of the first run"
+            assert got_a == expected_tokens(steps_a, offset, H, TAU, STEPS), f"{lid} fragment {p}: merged tokens of the first run"
             got_b = [e.tokens[lid] for e in merges["B"] if e.fragment == p]
             sends_b = [t for t in range(CKPT + 1, STEPS + 1) if (t - offset) % H == 0]
             assert got_b == got_a[-len(sends_b):], f"{lid} fragment {p}: the resumed rack's counts differ"
