@@ -3,7 +3,9 @@
 Runbook (one syncer; then each rack, here rackA and rackB, is a torchrun job of FSDP2 ranks):
 
     rackmend syncer --bind tcp://127.0.0.1:5555 --learners rackA,rackB --overlap 1
-    torchrun --nproc-per-node 2 examples/torchtitan_rack.py --rackmend.endpoint tcp://127.0.0.1:5555 --rackmend.learner-id rackA --hf-assets-path TOKENIZER_DIR --dataloader.load-dataset-kwargs.data-files CHAT.jsonl
+    torchrun --nproc-per-node 2 examples/torchtitan_rack.py --rackmend.endpoint tcp://127.0.0.1:5555 \
+        --rackmend.learner-id rackA --hf-assets-path TOKENIZER_DIR \
+        --dataloader.load-dataset-kwargs.data-files CHAT.jsonl
 
 TOKENIZER_DIR holds a Hugging Face tokenizer (``tokenizer.json``, and a
 ``tokenizer_config.json`` with bos/eos tokens and a chat template); CHAT.jsonl has one

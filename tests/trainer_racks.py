@@ -2,9 +2,10 @@
 ranks under torchrun (gloo) with a real ``rackmend syncer``, deterministic, stopped after
 step ``STOP`` with the trainer's own checkpoint and resumed from it to step ``STEPS``.
 
-A rack's process meets the other racks once joined (``rackstate.meet`` in ``--meet``), writes ``<out>.<rank>`` (JSON: ``collated``, the non-padding tokens of
-each micro-batch it trained on, counted by its collator; ``step``; ``resumed``, what the
-rank held right after the resume) and ``--held-out`` files (``rackstate.save_held``)."""
+A rack's process meets the other racks once joined (``rackstate.meet`` in ``--meet``),
+and writes ``<out>.<rank>`` (JSON: ``collated``, the non-padding tokens of each
+micro-batch it trained on, counted by its collator; ``step``; ``resumed``, what the rank
+held right after the resume) and ``--held-out`` files (``rackstate.save_held``)."""
 
 from __future__ import annotations
 

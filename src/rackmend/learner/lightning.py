@@ -33,8 +33,9 @@ What the callback adds to Lightning:
   syncer's newer value.
 
 Strategies: a single process, ``DDPStrategy`` and ``ModelParallelStrategy`` with
-FSDP2's ``fully_shard`` (and tensor parallelism) in ``configure_model``. ``FSDPStrategy`` is FSDP1, whose flat parameters rackmend cannot
-place, and DeepSpeed owns its optimizer: both are refused, naming the alternative.
+FSDP2's ``fully_shard`` (and tensor parallelism) in ``configure_model``.
+``FSDPStrategy`` is FSDP1, whose flat parameters rackmend cannot place, and DeepSpeed
+owns its optimizer: both are refused, naming the alternative.
 Nothing about rounds or merges lives here: that is ``RackmendOptimizer``'s.
 
 ``lightning`` stays an optional dependency: ``import rackmend`` does not import this
@@ -140,7 +141,8 @@ class RackmendCallback(pl.Callback):
             raise ConfigError(
                 "configure_optimizers returned a RackmendOptimizer, but RackmendCallback builds it: return the plain "
                 "optimizer (e.g. torch.optim.AdamW(self.parameters())) and its LR schedulers; the callback wraps it at "
-                "each fit, so Lightning's precision plugins, schedulers and checkpoints keep handling a plain optimizer")
+                "each fit, so Lightning's precision plugins, schedulers and checkpoints keep handling a plain "
+                "optimizer")
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._group = None
         if several and dist.get_backend() != "gloo":

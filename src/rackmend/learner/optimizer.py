@@ -581,9 +581,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
                  "parallelize_module, a tensor assigned anew)")
         return ConfigError(
             f"the model's {kind} {m.spec.name} is not the tensor RackmendOptimizer was built on "
-            f"({', '.join(m.changes) or 'its memory (a tensor assigned anew)'}){more}: {cause}, so rackmend would read and write tensors the training no "
-            "longer uses. Move, cast and shard the model first, then build the inner optimizer and "
-            "RackmendOptimizer"
+            f"({', '.join(m.changes) or 'its memory (a tensor assigned anew)'}){more}: {cause}, so rackmend would "
+            "read and write tensors the training no longer uses. Move, cast and shard the model first, then build "
+            "the inner optimizer and RackmendOptimizer"
             + (" (a module that assigns this buffer anew at each forward, instead of updating it in place, cannot "
                "have it synchronised: ScheduleConfig(sync_buffers=False) keeps buffers local)" if m.spec.is_buffer
                else ""))
