@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from procs import Procs
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the 2 cores (make test): an intra-op pool of 2 per worker, used by
+    # several learner threads at once, oversubscribes them and its spinning threads slowed
+    # an in-process run of 3 learners from 2 s to over a minute.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

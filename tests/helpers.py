@@ -100,7 +100,7 @@ def run_inprocess(
     steps: int,
     *,
     model_fn: Callable[[], nn.Module] = make_model,
-    timeout: float = 60.0,
+    timeout: float = 120.0,
     optimizers: dict[str, RackmendOptimizer] | None = None,
 ) -> tuple[dict[str, nn.Module], InProcessSyncer]:
     """M learner threads + an in-process syncer, each learner stepping ``steps`` times.
