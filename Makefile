@@ -20,11 +20,11 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/rackmend demo
 
-# pytest exits 5 when it collects nothing; that counts as a failure here too. Two workers
-# (pytest-xdist), a file per worker at a time: most tests wait on processes they started,
-# so two at once use the 2 cores that one leaves half idle (16 min serial, 11 with two).
+# pytest exits 5 when it collects nothing; that counts as a failure here too. One worker:
+# on two pytest-xdist workers the suite took 10-12 min instead of 16, but timing-bound
+# tests written for an otherwise idle machine failed in 3 runs of 4 (a different one each).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge.py --quick
