@@ -72,7 +72,7 @@ from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAt
 
 from rackmend import RackmendOptimizer  # noqa: E402
 from rackmend.learner.titan import RackmendOptimizersContainer  # noqa: E402
-from rackstate import save_held  # noqa: E402
+from rackstate import meet, save_held  # noqa: E402
 
 
 def _record(suffix: str) -> str:
@@ -128,6 +128,8 @@ class RecordingContainer(RackmendOptimizersContainer):
 
     def build_rackmend(self) -> RackmendOptimizer:
         opt = super().build_rackmend()
+        if os.environ.get("TITAN_MEET"):  # once joined, wait for the other racks (rackstate.meet)
+            meet(os.environ["TITAN_MEET"], f"{opt.learner_id}.{opt.rank}", os.environ["TITAN_MEET_ALL"].split(","))
         opt.register_state_dict_post_hook(
             lambda _, sd: torch.save(_summary(sd["rackmend"]), _record("saved") + f".{sd['rackmend']['step']}.pt"))
         opt.register_load_state_dict_pre_hook(lambda _, sd: torch.save(_summary(sd["rackmend"]), _record("loaded") + ".pt"))

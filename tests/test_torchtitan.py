@@ -79,6 +79,10 @@ def _rack(procs: Procs, tmp: Path, endpoint: str, lid: str, phase: str, *extra: 
            "_titan_shims.recording_optimizer", *TP.get(lid, ()), *extra]
     env = {"TITAN_RECORD": str(tmp / f"{phase}-{lid}"), "HF_DATASETS_OFFLINE": "1",
            "HF_HOME": str(tmp / "hf"), "PYTHONPATH": str(HERE)}
+    if phase in "AB":
+        # Both racks meet once joined: a deterministic syncer stops waiting for a listed
+        # learner that left, so a rack resuming late would miss the other's first rounds.
+        env.update(TITAN_MEET=str(tmp / f"met-{phase}"), TITAN_MEET_ALL="l0.0,l0.1,l1.0,l1.1")
     return procs.start(cmd, f"{phase}-{lid}", env)
 
 
