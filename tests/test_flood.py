@@ -17,9 +17,11 @@ from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
 from rackmend.core.records import Joined, Left, Merged
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.events import BadMessage, MessageLimit, SettingsRefused, Stopped, Suppressed, UnknownPeer
+from rackmend.service.config import ALL_CONNECTIONS_BURST, LOG_WINDOW_S
 from rackmend.service.syncer import MAX_QUEUED_REPLIES, STRANGER_MAX_BYTES, layout_message_limit
 from rackmend.transport import wire
 
+from helpers import serving
 from procs import Procs, events, of
 from test_trust import CONFIG, Raw
 
@@ -112,9 +114,38 @@ def test_junk_flood_from_a_peer_that_never_reads_is_bounded(procs: Procs, tmp_pa
     junk = of(ev, BadMessage, UnknownPeer)
     peer = junk[0].peer
     lines = [e for e in junk if e.peer == peer]
-    counted = sum(e.count for e in of(ev, Suppressed) if e.peer == peer)
+    # Left out per connection, or (most of them) by the limit over every connection.
+    counted = sum(e.count for e in of(ev, Suppressed)
+                  if e.peer == peer or (e.peer is None and e.of in (BadMessage.event, UnknownPeer.event)))
     assert len(lines) < 100, f"{len(lines)} log lines for one junk peer"
     assert len(lines) + counted >= FLOOD, "junk was neither logged nor counted"
+
+
+def test_a_new_connection_per_junk_message_writes_a_bounded_log() -> None:
+    """The log's rate limit was per connection: a stranger opening a new connection per
+    message got a fresh allowance each time (584 connections wrote 1487 records in 5 s).
+    Now each kind of bad input has a limit over every connection together as well; every
+    message is still either logged or counted in a ``suppressed`` summary."""
+    svc, records, thread = serving(CONFIG, log_burst=2)
+    connections, every = 150, 2 * ALL_CONNECTIONS_BURST
+    try:
+        for _ in range(connections):
+            sock = _stranger(svc.endpoint)
+            try:
+                sock.send_multipart([b"\x93\xff not msgpack"])
+                assert _error_reasons(sock, 10.0, first=True), "the junk was not answered"
+            finally:
+                sock.close()
+    finally:
+        svc.stop()
+        thread.join(20)
+    lines = of(records, BadMessage)
+    assert len({e.peer for e in lines}) == len(lines), "one junk message per connection"
+    windows = 1 + int((records[-1].t - records[0].t) // LOG_WINDOW_S)
+    assert len(lines) <= every * windows, f"{len(lines)} records from {connections} connections in {windows} windows"
+    summaries = [e for e in of(records, Suppressed) if e.of == BadMessage.event]
+    assert summaries and all(e.peer is None for e in summaries), summaries
+    assert len(lines) + sum(e.count for e in summaries) == connections
 
 
 def test_a_hello_and_leave_storm_from_one_connection_writes_a_bounded_log(procs: Procs, tmp_path: Path) -> None:

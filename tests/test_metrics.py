@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from rackmend.core.messages import Contribution
 from rackmend.core.records import Merged, Rejected
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.cli import add_syncer_arguments, build, resolve
-from rackmend.service.metrics import is_loopback_host
+from rackmend.service.metrics import SyncerMetrics, is_loopback_host
 from rackmend.service.syncer import ServiceConfig, SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
@@ -151,6 +154,62 @@ def test_metrics_port_in_use_fails_at_start_and_two_syncers_keep_their_own_count
     for bad_port in (-1, 70000):
         with pytest.raises(ConfigError, match="metrics_port"):
             ServiceConfig(metrics_port=bad_port)
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closed ``sock`` (EOF or reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass  # an answer, then the close
+        return True
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_metrics_port_caps_its_connections_and_cuts_off_slow_requests() -> None:
+    """800 held half-sent requests once gave the syncer 800 threads and descriptors. Now
+    connections past the cap are closed unread, a held request is cut off after the
+    request timeout (even one sent a byte at a time), and scraping works again then."""
+    metrics = SyncerMetrics(time.monotonic)
+    cap, timeout = 4, 1.0
+    url = metrics.serve("127.0.0.1", 0, max_connections=cap, request_timeout=timeout)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    threads_before = threading.active_count()
+    held = []
+    try:
+        for _ in range(30):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /metr")  # never finished
+            held.append(sock)
+        time.sleep(0.3)
+        # Two threads per served connection at most: its handler and its cut-off timer.
+        assert threading.active_count() - threads_before <= 2 * cap, threading.active_count() - threads_before
+        refused = [s for s in held[cap:] if _closed_by_server(s, 0.5)]
+        assert len(refused) >= len(held) - 2 * cap, f"only {len(refused)} of {len(held) - cap} past the cap closed"
+        assert all(_closed_by_server(s, timeout + 2.0) for s in held[:cap]), "a held request was never cut off"
+        # A request sent a byte at a time (each within the read timeout) is cut off too.
+        slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+        held.append(slow)
+        start, cut = time.monotonic(), False
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                cut = True
+                break
+            time.sleep(timeout / 4)
+            if time.monotonic() - start > 3 * timeout:
+                break
+        assert cut or _closed_by_server(slow, 0.1), "a byte-at-a-time request held its connection"
+        assert time.monotonic() - start < 3 * timeout
+        assert metric(scrape(url), "rackmend_merges_total") == 0  # served again
+    finally:
+        for sock in held:
+            sock.close()
+        metrics.close()
 
 
 def test_metrics_options_come_from_flags_environment_and_file(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from rackmend.service.events import (
     ServiceEvent,
     Stopped,
     read_event,
+    read_line,
     read_log,
 )
 from rackmend.sim import Kill, RackSpec, SimConfig, Simulation, Slowdown
@@ -184,6 +185,77 @@ def test_a_line_of_no_known_event_is_refused_by_name() -> None:
         read_event({"event": ["merge"], "t": 1.0})
     with pytest.raises(ValueError, match="list"):
         read_event(["merge"])  # type: ignore[arg-type]
+
+
+def _wrong(value: Any) -> Any:
+    """A JSON value of another type than ``value`` (as its log line holds it)."""
+    if isinstance(value, bool):
+        return "yes"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, str):
+        return 7
+    if isinstance(value, list):
+        return {"0": value}
+    if isinstance(value, dict):
+        return [value]
+    return 1.5
+
+
+@pytest.mark.parametrize("kind", _all_kinds(SyncerRecord, leave_out=type(None)), ids=lambda k: k.event)
+def test_every_field_of_every_kind_is_type_checked_when_read(kind: type[SyncerRecord]) -> None:
+    """A line with one field of the wrong type (or one element of an array or object) is
+    not a record: ValueError naming the event and that field."""
+    line = json.loads(json.dumps(_example(kind).to_record()))
+    hints = get_type_hints(kind)
+    checked = 0
+    for name in line:
+        if name == "event" or hints.get(name) is Any:
+            continue
+        for bad, where in _spoiled(line[name], name):
+            with pytest.raises(ValueError, match=rf"{kind.event!r}.*{where}"):
+                read_event({**line, name: bad})
+            checked += 1
+    assert checked >= len(line) - 1 - sum(hints.get(n) is Any for n in line)
+
+
+def _spoiled(value: Any, name: str) -> list[tuple[Any, str]]:
+    """``value`` with the wrong type, and (for arrays and objects) with one wrong element,
+    each with the pattern of the field's name an error must give."""
+    import re
+    out = [(_wrong(value), re.escape(name))]
+    if isinstance(value, list) and value:
+        out.append(([_wrong(value[0]), *value[1:]], re.escape(f"{name}[0]")))
+    if isinstance(value, dict) and value:
+        k = next(iter(value))
+        out.append(({**value, k: _wrong(value[k])}, re.escape(f"{name}[{k!r}]")))
+    return out
+
+
+def test_a_merge_line_of_wrong_types_and_lines_nested_too_deep_are_refused_naming_the_line(tmp_path: Path) -> None:
+    good = json.dumps(Joined(t=1.0, learner="a", expected=True).to_record())
+    merge = {"event": "merge", "t": "soon", "fragment": "0", "round": [], "version": {}, "merged": "a",
+             "absent": 3, "stale": None, "weights": [], "grace_s": "x", "codecs": 1, "bytes_in": 1.5,
+             "bytes_out": True}
+    with pytest.raises(ValueError, match="'merge'"):
+        read_event(merge)
+    report = FailSlowReport(learner="l1", rank=2, state="slow", ratio=2.5, fleet_ratio=2.25, baseline_s=0.125, steps=7)
+    rung = FailSlowNoted(t=4.0, action=list(FAILSLOW_EVENTS)[1](report), reason="slow")
+    line = json.loads(json.dumps(rung.to_record()))
+    assert read_event(line) == rung
+    for name, bad in (("ratio", "2.5"), ("rank", 2.0), ("t", None), ("reason", 3), ("learner", ["l1"])):
+        with pytest.raises(ValueError, match=rf"{line['event']!r}.*{name}"):
+            read_event({**line, name: bad})
+    path = tmp_path / "events.jsonl"
+    path.write_text(good + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match="line 2: JSON nested too deeply"):
+        read_log(path)
+    path.write_text(good + "\n" + good + "\n" + json.dumps(merge) + "\n")
+    with pytest.raises(ValueError, match="line 3: .*'merge'"):
+        read_log(path)
+    with pytest.raises(ValueError, match="line 9: .*Expecting"):
+        read_line("{not json", 9)
+    assert read_line(good) == Joined(t=1.0, learner="a", expected=True)
 
 
 def test_read_log_leaves_a_line_being_written_for_the_next_read(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ the reference, a SIGKILLed learner, a SIGKILLed and resumed syncer, Curve keys."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import socket
@@ -36,13 +37,17 @@ from rackmend.service.events import (
     Stopped,
     UplinkCodecDiffers,
 )
+from rackmend.core.messages import Contribution
+from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import Dealer, assert_files_equal_reference, batch, make_inner, make_model, serving, train
+from helpers import (Dealer, assert_files_equal_reference, batch, free_port, make_inner, make_model, serving, train,
+                     watch_log)
 from reference import reference_run
 
 from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
+from test_trust import CONFIG as RAW_CONFIG
 
 @pytest.mark.parametrize("P,tau,ranks", [(1, 0, 1), (2, 1, 1), (4, 1, 2)])
 def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int,
@@ -488,3 +493,39 @@ def test_syncer_console_shows_progress_lines(procs: Procs, tmp_path: Path) -> No
     assert {lid for _, _, named in lines for lid in named.split(", ")} <= {lid for e in merges for lid in e.merged}
     top = {int(f): int(v) for _, versions, _ in lines for f, v in re.findall(r"(\d+): v(\d+)", versions)}
     assert all(v <= max(e.version for e in merges if e.fragment == f) for f, v in top.items())
+
+
+def test_a_contribution_a_restarted_syncer_did_not_take_in_goes_again_after_the_hello(tmp_path: Path) -> None:
+    """A restarted syncer (or a shard resumed from its checkpoint) knows no connection:
+    what a learner sent meanwhile was refused (``unknown_peer``) and, before, lost (8
+    contributions after one shard restart). The link now queues every contribution the
+    syncer did not acknowledge again after its hello, and it merges as a stale one."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    service = ServiceConfig(bind=bind, checkpoint_dir=str(tmp_path / "ck"), heartbeat_timeout=60)
+    first = SyncerService(RAW_CONFIG, service)
+    thread = threading.Thread(target=first.serve, daemon=True)
+    thread.start()
+    frags = pack_fragments(make_model(), 2, 4)
+    link = ZmqLink(bind)
+    resumed = None
+    try:
+        joined = link.join("l0", frags, [[torch.zeros(t.shape, dtype=t.dtype) for t in f.tensors] for f in frags],
+                           20.0, settings=LearnerSettings.from_config(RAW_CONFIG))
+        epoch = joined[0].epoch
+        first.stop()
+        thread.join(20)  # its checkpoint holds version 0 of both fragments
+        link.send(Contribution("l0", 0, 0, 4, 4, 16.0, 0.01, tuple(torch.full(t.shape, 0.01) for t in frags[0].tensors),
+                               base_epoch=epoch))
+        resumed = SyncerService(RAW_CONFIG, dataclasses.replace(service, resume=True))
+        records = watch_log(resumed)
+        thread = threading.Thread(target=resumed.serve, daemon=True)
+        thread.start()
+        end = time.monotonic() + 30
+        while not any(isinstance(r, Merged) and r.fragment == 0 and "l0" in r.merged for r in records):
+            assert time.monotonic() < end, f"the contribution sent while the syncer was down never merged: {records}"
+            time.sleep(0.05)
+    finally:
+        link.close()
+        if resumed is not None:
+            resumed.stop()
+        thread.join(20)

@@ -82,6 +82,11 @@ def test_a_hello_for_another_shard_or_an_unsharded_learner_is_refused_by_name() 
             raw.send(wire.init_frames("l1", 0, 0, [torch.zeros(t.shape) for t in raw.frags[0].tensors]))
             err = next(h for h, _ in iter(lambda: raw.recv(10.0), None) if h["type"] == "error")
             assert "fragment 0 belongs to syncer shard 0 of 2" in err["reason"], err
+            # A fragment the model does not have is named as the model numbers it (3, of 2),
+            # not as the shard does (its fragment 1).
+            raw.send(raw.contribution(frag=1, fragment=3))
+            err = next(h for h, _ in iter(lambda: raw.recv(10.0), None) if h["type"] == "error")
+            assert "unknown fragment 3 (the layout has 2)" in err["reason"], err
         finally:
             raw.close()
     finally:
@@ -138,9 +143,23 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     saved = shard_events(tmp_path, 1, CheckpointWritten)[-1].versions
     before = len(shard_events(tmp_path, 0))
     step = progress(pa)[0]
-    wait_for(lambda: progress(pa)[0] >= step + 40, 60, "l0 to keep stepping with shard 1 down", (a, b))
-    during = of(shard_events(tmp_path, 0)[before:], Merged)
-    assert len(during) >= 4 and {e.fragment for e in during} == {0, 2}, "shard 0 stopped merging"
+
+    def during() -> list[Merged]:
+        return of(shard_events(tmp_path, 0)[before:], Merged)
+
+    # Waited for, not timed: on a loaded host the learners can step faster than the
+    # shard merges (CI once saw 2 merges in l0's next 40 steps).
+    wait_for(lambda: progress(pa)[0] >= step + 40 and len(during()) >= 4 and {e.fragment for e in during()} == {0, 2},
+             90, "l0 to keep stepping and shard 0 to keep merging both its fragments with shard 1 down", (a, b))
+    # `rackmend status` with a shard down shows the live one and marks the dead one.
+    view = subprocess.run([sys.executable, "-m", "rackmend.cli", "status", endpoints, "--once", "--json",
+                           "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    assert view.returncode == 0, view.stderr
+    status = json.loads(view.stdout)
+    assert status["syncer"]["state"] == "degraded" and status["syncer"]["shard"] == "1 of 2 shards"
+    assert [(x["shard"], x["state"]) for x in status["syncer"]["shards"]] == [("0/2", "running"),
+                                                                              ("1/2", "unreachable")]
+    assert [f["fragment"] for f in status["fragments"]] == [0, 2]
     port = shards[1][1].rsplit(":", 1)[1]
     start_shard(procs, tmp_path, 1, 2, *flags, "--checkpoint-dir", str(tmp_path / "ck1"), "--resume", "--bind",
                 f"tcp://127.0.0.1:{port}", name="shard1-resumed")

@@ -14,6 +14,7 @@ from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, Schedule
 from rackmend.core.records import Merged, SyncerRecord
 from rackmend.sim import Failures, Kill, RackSpec, SimConfig, Simulation, Slowdown, simulate
 from rackmend.sim.config import YEAR
+from rackmend.sim.cli import format_goodput
 from rackmend.sim.goodput import simulate_data_parallel
 
 H, P, TAU, GRACE = 8, 2, 1, 2.0
@@ -89,6 +90,32 @@ def test_goodput_of_hand_computed_restarts() -> None:
     assert g.useful == pytest.approx(4 * 60.0 - 40.0 - 9.0, abs=1e-6)
     assert math.fsum(g.shares().values()) == pytest.approx(1.0)
     assert g.uptime == pytest.approx(1.0)  # learner 1 trained throughout
+
+
+def test_a_slow_rack_and_a_dead_rack_show_in_the_breakdown() -> None:
+    """``--slow 3:4`` reported 100 % goodput though that rack did a quarter of its steps,
+    and ``--kill 3:100`` without a rejoin put the rest of the run into ``down``
+    ("restarting"). Four racks of 1 chip and 1 s steps: a rack at 4x from t=0 spends 3/4
+    of its chip-time being slow (3/16 of the run's); a rack killed at 100 s of 300 is
+    dead for 200 s; one killed and back is down, not dead."""
+    racks = tuple(RackSpec() for _ in range(4))
+    slow = simulate(SimConfig(run=run(), racks=racks, duration=300.0, slowdowns=(Slowdown(learner=3, factor=4.0),)))
+    g = slow.goodput
+    assert g is not None and g.slow == pytest.approx(300.0 * 3 / 4, rel=0.02)
+    assert g.goodput == pytest.approx(1 - 3 / 16, abs=0.01) and slow.learners[3].steps == pytest.approx(75, abs=1)
+    assert math.fsum(g.shares().values()) == pytest.approx(1.0)
+    dead = simulate(SimConfig(run=run(), racks=racks, duration=300.0, kills=(Kill(learner=3, at=100.0),))).goodput
+    assert dead is not None and dead.dead == pytest.approx(200.0) and dead.down == 0.0
+    assert math.fsum(dead.shares().values()) == pytest.approx(1.0)
+    back = simulate(SimConfig(run=run(), racks=racks, duration=300.0,
+                              kills=(Kill(learner=3, at=100.0, rejoin_at=150.0),))).goodput
+    assert back is not None and back.down == pytest.approx(50.0) and back.dead == 0.0
+    # A step slowed and then lost counts once: its normal time as lost, the rest as slow.
+    both = simulate(SimConfig(run=run(), racks=racks, duration=300.0, slowdowns=(Slowdown(learner=3, factor=4.0),),
+                              kills=(Kill(learner=3, at=101.0),))).goodput
+    assert both is not None and both.slow == pytest.approx(101.0 * 3 / 4, rel=0.03) and both.lost > 0
+    assert math.fsum(both.shares().values()) == pytest.approx(1.0)
+    assert f"slow {100 * g.slow / g.allocated:.2f}, lost" in format_goodput(g)
 
 
 def test_elastic_failures_pause_shrink_and_regrow() -> None:

@@ -29,9 +29,11 @@ from rackmend.core import (
 )
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Combined, Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
+from rackmend.core.syncer import RETIRED_SESSIONS
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
+from rackmend.transport.zmq_link import new_session
 
 from helpers import make_model, serving
 from procs import of
@@ -398,6 +400,42 @@ def test_core_refuses_a_replayed_or_older_sequence_number() -> None:
     (old,) = events(core.handle(one, 3.0), Rejected)  # the first session's message, replayed
     assert "earlier session" in old["reason"]
     assert core.versions[0] == 2
+
+
+@pytest.mark.parametrize("sessions", [RETIRED_SESSIONS + 2, 20, 3 * RETIRED_SESSIONS])
+def test_a_replay_of_a_session_older_than_those_remembered_is_refused(sessions: int) -> None:
+    """After 20 sessions of a learner, session 1's contribution replayed byte for byte
+    merged: only the last RETIRED_SESSIONS were remembered. Sessions below the floor
+    (the newest one forgotten) are refused however many there were, also after the
+    syncer's checkpoint; a new session (later on the clock) still merges. Staleness is
+    off, so only the replay check decides."""
+    core = make_core(learners=("a",), max_staleness=10_000)
+    sent = []
+    for i in range(sessions):  # each restart numbers its sends anew, in a later session
+        c = contrib("a", torch.full((N,), 0.01), base=core.versions[0], step=8, session=1000 + i, seq=1)
+        assert events(core.handle(c, float(i)), Merged)
+        sent.append(c)
+    version = core.versions[0]
+    forgotten = sessions - 1 - RETIRED_SESSIONS  # the current one and RETIRED_SESSIONS before it are remembered
+    for c in sent[:forgotten]:  # older than those remembered: each refused
+        (rej,) = events(core.handle(c, 100.0), Rejected)
+        assert rej["code"] == "replay" and "older than the 16 sessions" in rej["reason"], rej
+    for c in sent[forgotten:]:  # remembered: refused by their seq
+        (rej,) = events(core.handle(c, 101.0), Rejected)
+        assert rej["code"] == "replay", rej
+    assert core.versions[0] == version
+    restored = make_core(learners=("a",), max_staleness=10_000)
+    restored.load_state_dict(*core.state_dict())
+    (rej,) = events(restored.handle(sent[0], 102.0), Rejected)
+    assert rej["code"] == "replay", "a checkpoint forgot the floor"
+    fresh = contrib("a", torch.full((N,), 0.01), base=restored.versions[0], step=8, session=5000, seq=1)
+    assert events(restored.handle(fresh, 103.0), Merged)
+
+
+def test_links_number_their_sessions_later_than_any_before() -> None:
+    first = new_session()
+    time.sleep(0.001)
+    assert first < new_session() < 2**63 - 1
 
 
 def test_a_session_that_another_one_replaced_goes_on_where_it_left_off() -> None:

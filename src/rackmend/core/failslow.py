@@ -122,7 +122,7 @@ FleetView = Callable[[int], "tuple[float, float] | None"]
 last that many steps and the standard error of that shift; None when there is no fleet
 to compare with (then the stream is judged on its own)."""
 
-REPORT_STATES = ("blip", "slow", "evict", "restored")
+REPORT_STATES = ("blip", "slow", "evict", "restored", "alone")
 """What a ``FailSlowReport`` says happened."""
 
 
@@ -652,6 +652,11 @@ class FailSlowMonitor:
         verdict = det.add(seconds, steps, lambda span: self._fleet_view(learner, span))
         out: list[FailSlowAction] = []
         case = self.cases.get(learner)
+        if not self._others(learner):
+            # A fleet check needs a fleet: alone (the others left, or have no baseline yet)
+            # a slowdown cannot be told from the workload or the host changing, and host
+            # noise alone crossed min_slowdown 7 times in 20 s for a learner left alone.
+            return self._alone(learner, rank, det, verdict, case)
         if verdict is not None and verdict.kind == "blip":
             out.append(FailSlowBlip(self._report(learner, rank, "blip", verdict.shift, verdict.fleet_shift,
                                                  verdict.steps)))
@@ -698,6 +703,20 @@ class FailSlowMonitor:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _alone(self, learner: str, rank: int, det: StepTimeDetector, verdict: Verdict | None,
+               case: _Case | None) -> list[FailSlowAction]:
+        """The ladder for a learner with no fleet to compare with: a slowdown is only
+        noted (a blip, state ``alone``), never flagged; a case opened while there was a
+        fleet ends (restored, state ``alone``), so rounds wait for the learner again."""
+        if case is not None:
+            del self.cases[learner]
+            shift = det.current_shift() or 0.0
+            report = self._report(learner, rank, "alone", shift, shift, case.steps, case.cost_s)
+            return [RestoreLearner(report), *([AdviseLearner(report)] if case.advised or case.evict else [])]
+        if verdict is not None and verdict.kind == "slow":
+            return [FailSlowBlip(self._report(learner, rank, "alone", verdict.shift, verdict.shift, verdict.steps))]
+        return []
+
     def _slowest_rank(self, learner: str, case: _Case) -> int:
         return max(sorted(case.slow_ranks), key=lambda r: self.detectors[(learner, r)].current_shift() or 0.0)
 

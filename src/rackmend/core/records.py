@@ -490,19 +490,53 @@ a driver uses ``record.level``)."""
 
 
 # ------------------------------------------------------------------ reading a log back
-def _typed(value: Any, hint: Any) -> Any:
-    """A JSON value as the field of type ``hint`` holds it: arrays as tuples (also
-    inside mappings), everything else as it is."""
+def _typed(value: Any, hint: Any, name: str) -> Any:
+    """A JSON value as the field ``name`` of type ``hint`` holds it (arrays as tuples,
+    also inside mappings; an int where a float is due as that float). ValueError naming
+    the field when the value is of another type: a log line is outside input, and a
+    record with a string where a count belongs would fail far from where it was read."""
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
-        return None if value is None else _typed(value, next(a for a in args if a is not type(None)))
-    if origin is tuple and isinstance(value, list):
+        return None if value is None else _typed(value, next(a for a in args if a is not type(None)), name)
+    if hint is Any:
+        return value
+    if origin is Literal:
+        if not any(value == a and type(value) is type(a) for a in args):
+            raise ValueError(f"{name} is {value!r}, not one of {list(args)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} is a JSON {type(value).__name__}, not an array")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_typed(v, args[0]) for v in value)
-        return tuple(_typed(v, a) for v, a in zip(value, args, strict=True))
-    if origin is abc.Mapping and isinstance(value, dict):
-        return {k: _typed(v, args[1]) for k, v in value.items()}
-    return value
+            return tuple(_typed(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ValueError(f"{name} has {len(value)} values, not {len(args)}")
+        return tuple(_typed(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is abc.Mapping:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} is a JSON {type(value).__name__}, not an object")
+        return {k: _typed(v, args[1], f"{name}[{k!r}]") for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is hint):
+        return value
+    raise ValueError(f"{name} is {_json_kind(value)}, not {_JSON_NAME.get(hint, hint)}")
+
+
+_JSON_NAME = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _json_kind(value: Any) -> str:
+    """How a JSON reader names what ``value`` came from."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    return f"a JSON {'array' if isinstance(value, list) else 'object'}"
 
 
 def event_classes(base: type[SyncerRecord], module: str) -> dict[str, type[SyncerRecord]]:
@@ -529,10 +563,10 @@ _hints = functools.cache(get_type_hints)  # evaluating the string annotations co
 def record_of(cls: type[SyncerRecord], line: Mapping[str, Any]) -> SyncerRecord:
     """``line`` (a JSONL log line as a dict) read as a ``cls`` record: arrays become the
     tuples its fields hold, keys it has no field for are left out. ValueError, naming the
-    event, when a field without a default is missing."""
+    event and the field, when a field without a default is missing or of another type."""
     hints = _hints(cls)
     try:
-        return cls(**{f.name: _typed(line[f.name], hints[f.name]) for f in fields(cls) if f.name in line})
+        return cls(**{f.name: _typed(line[f.name], hints[f.name], f.name) for f in fields(cls) if f.name in line})
     except (TypeError, ValueError) as exc:  # a field missing, or a fixed-length array of another length
         raise _not_a_record(line.get("event"), exc) from None
 
@@ -558,9 +592,12 @@ def from_record(line: Mapping[str, Any]) -> SyncerRecord | None:
     rung = _RUNGS.get(event)
     if rung is not None:
         try:
-            report = FailSlowReport(**{f.name: line[f.name] for f in fields(FailSlowReport) if f.name in line})
-            return FailSlowNoted(t=line["t"], action=rung(report), reason=line["reason"])  # type: ignore[arg-type]
-        except (KeyError, TypeError) as exc:
+            hints = _hints(FailSlowReport)
+            report = FailSlowReport(**{f.name: _typed(line[f.name], hints[f.name], f.name)
+                                       for f in fields(FailSlowReport) if f.name in line})
+            return FailSlowNoted(t=_typed(line["t"], float, "t"), action=rung(report),  # type: ignore[arg-type]
+                                 reason=_typed(line["reason"], str, "reason"))
+        except (KeyError, TypeError, ValueError) as exc:
             raise _not_a_record(event, exc) from None
     cls = _BY_EVENT.get(event)
     return None if cls is None else record_of(cls, line)

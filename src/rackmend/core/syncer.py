@@ -160,9 +160,10 @@ sender's word, so what a lie can buy is capped at this multiple."""
 MAX_SEQ = 2**63 - 1
 """The largest sequence number the wire carries."""
 RETIRED_SESSIONS = 16
-"""Per (learner, fragment), how many earlier sessions are remembered so that replays
-of their messages are refused; a learner restarted more often than this within one
-syncer run can have its oldest sessions replayed (docs/reliability.md)."""
+"""Per (learner, fragment), how many earlier sessions are remembered with their last
+``seq`` (a stopped session may go on past it); an older session than those, at or below
+the newest one forgotten (the floor), is refused whole. Learners number sessions from
+the clock, so a restarted learner's session is above the floor."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -364,6 +365,10 @@ class SyncerCore:
         whose work still arrives counts as absent (an idle peer must not damp every merge)."""
         self.sequences: dict[tuple[str, int], tuple[int, int]] = {}
         """Per (learner, fragment), the session and highest ``seq`` accepted (replay guard)."""
+        self.session_floor: dict[tuple[str, int], int] = {}
+        """Per (learner, fragment), the newest session dropped from ``retired_sessions``:
+        a send of a session at or below it is a replay, however many sessions there were
+        (before, session 1 replayed after 20 sessions merged)."""
         self.retired_sessions: dict[tuple[str, int], dict[int, int]] = {}
         """Per (learner, fragment), earlier sessions and the highest ``seq`` accepted of each,
         newest last (at most RETIRED_SESSIONS). An earlier session may go on past that seq:
@@ -514,6 +519,7 @@ class SyncerCore:
             # keep the guard's scale rather than start unguarded.
             "sequences": [[lid, p, sess, seq, [list(r) for r in self.retired_sessions.get((lid, p), {}).items()]]
                           for (lid, p), (sess, seq) in sorted(self.sequences.items())],
+            "session_floors": [[lid, p, floor] for (lid, p), floor in sorted(self.session_floor.items())],
             "norms": [m["norms"] for m in per],
             "norm_steps": [m["norm_steps"] for m in per],
             "norm_scale": [m["norm_scale"] for m in per],
@@ -557,6 +563,8 @@ class SyncerCore:
             self.retired_sessions[(lid, int(p))] = {
                 int(r[0]) if isinstance(r, list) else int(r): int(r[1]) if isinstance(r, list) else MAX_SEQ
                 for r in retired}
+        for lid, p, floor in meta.get("session_floors", []):  # absent before the floor was kept
+            self.session_floor[(lid, int(p))] = int(floor)
         for lid, (t, n) in meta.get("last_counts", {}).items():
             self.last_counts[lid] = (float(t), int(n))
         for lid, p, v in meta.get("last_merged", []):
@@ -727,9 +735,14 @@ class SyncerCore:
             if c.seq <= current[1]:
                 return (f"replay or older send: seq {c.seq} of session {c.session}, "
                         f"seq {current[1]} was accepted already")
-        elif c.seq <= self.retired_sessions.get(key, {}).get(c.session, 0):
-            return (f"replay: seq {c.seq} of the earlier session {c.session} of this learner, "
-                    f"seq {self.retired_sessions[key][c.session]} of it was accepted already")
+        elif c.session in self.retired_sessions.get(key, {}):
+            if c.seq <= self.retired_sessions[key][c.session]:
+                return (f"replay: seq {c.seq} of the earlier session {c.session} of this learner, "
+                        f"seq {self.retired_sessions[key][c.session]} of it was accepted already")
+        elif c.session <= self.session_floor.get(key, -1):
+            return (f"replay: session {c.session} is older than the {RETIRED_SESSIONS} sessions of this learner "
+                    "remembered (a learner numbers its sessions from its clock; one whose clock went back past "
+                    "them restarts with a new id)")
         return None
 
     def _note_sequence(self, c: Contribution) -> None:
@@ -743,6 +756,7 @@ class SyncerCore:
             retired[current[0]] = current[1]
             for old in list(retired)[:-RETIRED_SESSIONS]:
                 del retired[old]
+                self.session_floor[key] = max(self.session_floor.get(key, -1), old)
         self.sequences[key] = (c.session, c.seq)
 
     def _guard(self, c: Contribution, norm: float, now: float, actions: list[Action]) -> Contribution | None:
@@ -1091,6 +1105,12 @@ def _failslow_reason(act: FailSlowAction) -> str:
     who = f"learner {r.learner} (rank {r.rank})"
     speed = (f"{r.ratio:.2f}x its baseline of {r.baseline_s * 1000:.3g} ms per step, {r.fleet_ratio:.2f}x relative "
              "to the fleet")
+    if r.state == "alone":
+        speed = f"{r.ratio:.2f}x its baseline of {r.baseline_s * 1000:.3g} ms per step"
+        what = ("was slower for {r.steps} steps ({speed})" if isinstance(act, FailSlowBlip) else
+                "was flagged slow; rounds wait for it again").format(r=r, speed=speed)
+        return (f"{who} {what}, but it is the only learner with a step-time baseline: with no fleet to compare "
+                "with, a slowdown cannot be told from a change of workload or host, so nobody is flagged")
     if isinstance(act, FailSlowBlip):
         return f"{who} was slower for {r.steps} steps ({speed}); too short or too small: ignored"
     if isinstance(act, StopExpecting):

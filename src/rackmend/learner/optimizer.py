@@ -725,7 +725,11 @@ class RackmendOptimizer(torch.optim.Optimizer):
     def _warn_fail_slow(self, report: FailSlowReport) -> None:
         """The default ``on_fail_slow``: a log line naming the slow rank."""
         speed = f"{report.ratio:.2f}x its usual step time ({report.fleet_ratio:.2f}x relative to the fleet)"
-        if report.state == "restored":
+        if report.state == "alone":
+            log.info("learner %s: the syncer no longer flags rank %d: this learner is the only one left, and with "
+                     "no fleet to compare with a slowdown cannot be told from the workload; rounds wait for it again",
+                     self.learner_id, report.rank)
+        elif report.state == "restored":
             log.info("learner %s: the syncer sees rank %d back at normal speed (%s); rounds wait for it again",
                      self.learner_id, report.rank, speed)
         elif report.state == "evict":

@@ -23,7 +23,7 @@ from rackmend.core.settings import LearnerSettings
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.syncer import SyncerCore
 from rackmend.core.syncer_fragment import global_values
-from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
+from rackmend.service.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from rackmend.service.events import CheckpointWritten
 from rackmend.service.metrics import SyncerMetrics
 
@@ -81,9 +81,12 @@ class Checkpoints:
         return path
 
     def load(self) -> Saved:
-        """The checkpoint in the directory; a ``ConfigError`` where there is none or it is
-        another shard's."""
-        loaded = load_checkpoint(self.directory or "")
+        """The checkpoint in the directory (the previous one where the latest is bad); a
+        ``ConfigError`` where there is none, neither is good, or it is another shard's."""
+        try:
+            loaded = load_checkpoint(self.directory or "")
+        except CheckpointError as exc:
+            raise ConfigError(f"resume: {exc}") from None
         if loaded is None:
             raise ConfigError(f"resume: no checkpoint in {self.directory}")
         tensors, meta = loaded
@@ -92,17 +95,16 @@ class Checkpoints:
             raise ConfigError(f"resume: the checkpoint in {self.directory} is syncer shard {saved}'s, "
                               f"this syncer is --shard {self.shard}; give each shard its own --checkpoint-dir and "
                               "resume it with the --shard it was started with")
-        whole = layout_from_wire(meta["layout"])
-        layout = self.shard.fragments(whole)
         try:
-            values = global_values(tensors, layout)
-        except ValueError as exc:
-            raise ConfigError(f"resume: the checkpoint in {self.directory}: {exc}") from None
-        first = meta.get("first_learner")
-        return Saved(layout=whole, values=values,
-                     first=None if first is None else (first["learner"], LearnerSettings(**first["settings"])),
-                     tensors=tensors, meta=meta, merges=int(meta.get("merges", 0)),
-                     rejected_messages=int(meta.get("rejected_messages", 0)))
+            whole = layout_from_wire(meta["layout"])
+            values = global_values(tensors, self.shard.fragments(whole))
+            first = meta.get("first_learner")
+            if first is not None:
+                first = (first["learner"], LearnerSettings(**first["settings"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"resume: the checkpoint in {self.directory}: {type(exc).__name__}: {exc}") from None
+        return Saved(layout=whole, values=values, first=first, tensors=tensors, meta=meta,
+                     merges=int(meta.get("merges", 0)), rejected_messages=int(meta.get("rejected_messages", 0)))
 
     def shard_name(self) -> str | None:
         """For records that list every fragment's version, which fragments: ``s/S`` for a

@@ -49,6 +49,7 @@ __all__ = [
     "Suppressed",
     "read_event",
     "read_log",
+    "read_line",
 ]
 
 
@@ -414,4 +415,17 @@ def read_log(path: str | Path) -> list[SyncerRecord]:
     except FileNotFoundError:
         return []
     complete = text.rpartition("\n")[0]
-    return [read_event(json.loads(line)) for line in complete.splitlines() if line.strip()]
+    return [read_line(line, n) for n, line in enumerate(complete.splitlines(), 1) if line.strip()]
+
+
+def read_line(text: str, number: int | None = None) -> SyncerRecord:
+    """The typed record of one line of a syncer's JSONL log (``read_event`` of its JSON).
+    ValueError for anything else, naming the line (``number``, from 1) and why: not
+    JSON, nested too deep to read, or not a record of this version."""
+    where = "a log line" if number is None else f"line {number}"
+    try:
+        return read_event(json.loads(text))
+    except RecursionError:  # json's reader recurses once per level of nesting
+        raise ValueError(f"{where}: JSON nested too deeply to be a syncer log line") from None
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise ValueError(f"{where}: {exc}") from None

@@ -41,7 +41,7 @@ from rackmend.core.fragments import (
 )
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.syncer_fragment import named_global_values
-from rackmend.service.checkpoint import CHECKPOINT_NAME
+from rackmend.service.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, check_meta, non_finite
 
 __all__ = ["ExportError", "ExportResult", "export_model", "read_global_model", "add_arguments", "main"]
 
@@ -150,6 +150,11 @@ def _read_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torc
                 out = named_global_values(f, shard.fragments(layout))
             except ValueError as exc:
                 raise ExportError(f"{path}: {exc}") from None
+            problem = check_meta(meta) or non_finite(out)
+            if problem:
+                previous = path.parent / PREVIOUS_NAME
+                raise ExportError(f"{path}: {problem}" + (f"; the previous checkpoint {previous} may be good: "
+                                                           "export that one" if previous.exists() else ""))
     except SafetensorError as exc:
         raise ExportError(f"{path} cannot be read as safetensors ({exc}): the file is corrupt or truncated; "
                           "use an earlier copy of the checkpoint") from None

@@ -88,19 +88,20 @@ class EventLimiter:
         self.suppressed_total = 0
         self._lock = threading.Lock()
 
-    def allow(self, key: Hashable, now: float, **summary_fields: Any) -> bool:
-        """Whether a record for ``key`` may be written now; ``summary_fields`` describe
-        the key in the summary of what was left out."""
+    def allow(self, key: Hashable, now: float, *, burst: int | None = None, **summary_fields: Any) -> bool:
+        """Whether a record for ``key`` may be written now (at most ``burst`` per window,
+        this limiter's by default); ``summary_fields`` describe the key in the summary of
+        what was left out."""
         with self._lock:
-            return self._allow(key, now, summary_fields)
+            return self._allow(key, now, self.burst if burst is None else burst, summary_fields)
 
-    def _allow(self, key: Hashable, now: float, summary_fields: dict[str, Any]) -> bool:
+    def _allow(self, key: Hashable, now: float, burst: int, summary_fields: dict[str, Any]) -> bool:
         w = self._windows.get(key)
         if w is None or now - w.start >= self.window:
             if w is not None and w.suppressed:
                 self._due.append((key, w.suppressed, w.fields))
             w = self._windows[key] = _Window(now, fields=summary_fields)
-        if w.logged < self.burst:
+        if w.logged < burst:
             w.logged += 1
             return True
         w.suppressed += 1

@@ -21,9 +21,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
+import socket
+import threading
+from socketserver import ThreadingMixIn
 from typing import Any, Callable, Iterable, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from rackmend.config import ConfigError
 from rackmend.core.shards import Shard
@@ -38,7 +42,7 @@ from rackmend.core.failslow import (
 from rackmend.core.records import REJECT_CODES, Dropped, Incomplete, Merged, Rejected, Superseded, SyncerRecord
 
 __all__ = ["SyncerMetrics", "MAX_LEARNER_LABELS", "OTHER_LEARNERS", "UNJOINED", "MESSAGE_REFUSALS",
-           "FAILSLOW_STATES", "is_loopback_host"]
+           "FAILSLOW_STATES", "METRICS_MAX_CONNECTIONS", "METRICS_REQUEST_TIMEOUT_S", "is_loopback_host"]
 
 log = logging.getLogger("rackmend.syncer")
 
@@ -58,6 +62,14 @@ MESSAGE_REFUSALS = ("bad_message", "unknown_peer", "identity_refused", "settings
 a connection that has not joined, one naming a learner rank held elsewhere, a hello
 whose settings or layout do not fit the run, a Curve key refused or not allowed the id,
 a message whose handling raised (a fault validation missed: dropped, the service goes on)."""
+
+METRICS_MAX_CONNECTIONS = 16
+"""Connections the metrics port serves at once; more are closed as they arrive. A scraper
+needs one: 800 held half-sent requests once gave the syncer 800 threads and descriptors,
+and a 1024-descriptor limit would have starved its learners."""
+METRICS_REQUEST_TIMEOUT_S = 10.0
+"""Most seconds one metrics connection is served, reading the request included; a
+request sent a byte at a time is cut off there."""
 
 FAILSLOW_STATES = {"normal": 0, "slow": 1, "evict": 2}
 """Values of ``rackmend_learner_failslow_state``."""
@@ -253,17 +265,22 @@ class SyncerMetrics:
         return math.nan if at is None else self._clock() - at
 
     # ------------------------------------------------------------------ serving
-    def serve(self, host: str, port: int) -> str:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the URL."""
+    def serve(self, host: str, port: int, *, max_connections: int = METRICS_MAX_CONNECTIONS,
+              request_timeout: float = METRICS_REQUEST_TIMEOUT_S) -> str:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread, at most
+        ``max_connections`` at once, each for at most ``request_timeout`` s; returns the URL."""
         if not is_loopback_host(host):
             log.warning("metrics on %s:%d are readable by anyone who can reach that address (learner ids, "
                         "rates); bind them to 127.0.0.1 (--metrics-host) behind a scraper on this machine, or "
                         "restrict the port with a firewall", host, port)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = _BoundedServer((host, port), max_connections, request_timeout)
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; pick another "
                               "--metrics-port (0: no metrics endpoint)") from None
+        self._server.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._server.serve_forever, name="rackmend-metrics", daemon=True)
+        self._thread.start()
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self._server.server_port}/metrics"
         return self.url
@@ -275,3 +292,57 @@ class SyncerMetrics:
             self._server.server_close()
             self._thread.join(5)
             self._server = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (a scraper every few seconds would fill it)."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A WSGI server with one thread per connection, at most ``max_connections`` of them
+    (a connection past the cap is closed unread, and counted in ``refused``), each cut
+    off ``timeout`` s after it was accepted."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], max_connections: int, timeout: float) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, _QuietHandler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._timeout = timeout
+        self.refused = 0
+        """Connections closed unread because every slot was taken."""
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        request.settimeout(self._timeout)  # each read; the timer below bounds the whole request
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # A read timeout alone lets a byte every few seconds hold the slot for good.
+        cutoff = threading.Timer(self._timeout, _cut, (request,))
+        cutoff.daemon = True
+        cutoff.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            cutoff.cancel()
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+
+def _cut(request: socket.socket) -> None:
+    """End a metrics connection that outlived its time: its thread's read returns."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed meanwhile
+        pass

@@ -7,9 +7,12 @@ bytes each way) and the round of each fragment (version, who is in, age). Ctrl-C
 ends it; ``--iterations`` bounds it. ``--once --json`` prints one JSON document for
 scripts and exits non-zero when the syncer does not answer within ``--timeout``.
 
-A sharded syncer (``--shard s/S``) is asked shard by shard: give every shard's
+A sharded syncer (``--shard s/S``) is asked every shard at once: give every shard's
 endpoint, comma-separated, and the view is one syncer's (``combine``): the fragments
 of all shards, each learner's counts added up over the shards, and a line per shard.
+A shard that does not answer is shown as unreachable beside the live ones (state
+``degraded``), which is when an operator needs the view most; only when no shard
+answers does the command fail.
 
 The request itself lives in ``rackmend.transport.status``; the answer is built by
 ``SyncerService.status``.
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from typing import Any, Sequence, TextIO
@@ -97,20 +101,26 @@ _SUMMED = ("merges", "rejected_messages", "rejected_contributions", "superseded_
 _LEARNER_SUMS = ("contributions", "rejected", "bytes_in", "bytes_out")
 
 
-def combine(statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One status of a syncer split into shards, from each shard's: counters added up,
-    every shard's fragments (each shard names its own in the model's numbering), each
-    learner's entries merged (counts added, the freshest ``last_seen``, the largest lag),
-    and ``syncer.shards``: each shard's own syncer entry."""
-    if len(statuses) == 1:
+def combine(statuses: Sequence[dict[str, Any]], down: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """One status of a syncer split into shards, from each live shard's: counters added
+    up, every live shard's fragments (each shard names its own in the model's
+    numbering), each learner's entries merged (counts added, the freshest ``last_seen``,
+    the largest lag), and ``syncer.shards``: each shard's own syncer entry, in shard
+    order, where ``down`` (``{"shard", "endpoint", "state": "unreachable", "error"}``)
+    stands in for a shard that did not answer; the combined state is then ``degraded``
+    and ``syncer.shard`` says how many shards answered."""
+    if len(statuses) == 1 and not down:
         return statuses[0]
     syncers = [st["syncer"] for st in statuses]
+    count = len(syncers) + len(down)
+    states = {x.get("state") for x in syncers}
     syncer = {**syncers[0], **{k: sum(x.get(k) or 0 for x in syncers) for k in _SUMMED},
+              "shard": f"{len(syncers)} of {count} shards",
               "endpoint": ",".join(str(x.get("endpoint")) for x in syncers),
-              "state": syncers[0].get("state") if len({x.get("state") for x in syncers}) == 1 else "mixed",
+              "state": "degraded" if down else syncers[0].get("state") if len(states) == 1 else "mixed",
               "checkpoint_age_s": max((x["checkpoint_age_s"] for x in syncers if x.get("checkpoint_age_s") is not None),
                                       default=None),
-              "shards": syncers}
+              "shards": sorted([*syncers, *down], key=lambda x: int(str(x.get("shard", "0/1")).split("/")[0]))}
     fragments = sorted((f for st in statuses for f in st.get("fragments", [])), key=lambda f: f["fragment"])
     learners: dict[str, dict[str, Any]] = {}
     for st in statuses:
@@ -140,7 +150,9 @@ def render(status: dict[str, Any], endpoint: str) -> str:
         f"merges {s.get('merges', 0)}  grace {_fmt_s(s.get('grace_s'))}  quorum {s.get('min_quorum', '?')}"
         f"{'  deterministic' if s.get('deterministic') else ''}{'  curve' if s.get('curve') else ''}",
         *(f"  shard {x.get('shard')} at {x.get('endpoint')}: {x.get('state')}, merges {x.get('merges', 0)}"
-          for x in s.get("shards", [])),
+          if x.get("state") != "unreachable" else
+          f"  shard {x.get('shard')} at {x.get('endpoint')}: UNREACHABLE ({x.get('error')}); its fragments are "
+          "not shown" for x in s.get("shards", [])),
         f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
         f"checkpoint {_fmt_s(s.get('checkpoint_age_s'))} ago" if s.get("checkpoint_age_s") is not None else
         f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
@@ -234,8 +246,9 @@ def _main(args: argparse.Namespace, stdout: TextIO) -> int:
 
 
 class _Shards:
-    """Every shard's client, asked in turn: one status (``combine``), or the first failure
-    naming its shard."""
+    """Every shard's client, asked at once: one status (``combine``) of the shards that
+    answered, the others marked unreachable; the first failure, naming its shard, only
+    when none answered (or a single syncer did not)."""
 
     def __init__(self, clients: list[StatusClient]) -> None:
         self.clients = clients
@@ -243,10 +256,30 @@ class _Shards:
     def query(self, timeout: float) -> dict[str, Any]:
         if len(self.clients) == 1:
             return self.clients[0].query(timeout)
-        out = []
-        for s, client in enumerate(self.clients):
+        count = len(self.clients)
+        got: list[dict[str, Any] | None] = [None] * count
+        failed: dict[int, TransportError] = {}
+
+        def ask(s: int) -> None:
             try:
-                out.append(client.query(timeout))
+                got[s] = self.clients[s].query(timeout)
             except TransportError as exc:
-                raise type(exc)(f"shard {s}/{len(self.clients)} at {client.endpoint}: {exc}") from exc
-        return combine(out)
+                failed[s] = exc
+
+        # One thread per shard: a dead shard costs one timeout, not one per shard before it.
+        threads = [threading.Thread(target=ask, args=(s,), daemon=True) for s in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 10.0)  # each query gives up by itself at ``timeout``
+        for s in range(count):
+            if got[s] is None and s not in failed:
+                failed[s] = StatusTimeout(f"no answer within {timeout:g}s")
+        live = [st for st in got if st is not None]
+        if not live:
+            s = min(failed)
+            exc = failed[s]
+            raise type(exc)(f"shard {s}/{count} at {self.clients[s].endpoint}: {exc}") from exc
+        down = [{"shard": f"{s}/{count}", "endpoint": self.clients[s].endpoint, "state": "unreachable",
+                 "error": str(exc)} for s, exc in sorted(failed.items())]
+        return combine(live, down)

@@ -41,7 +41,7 @@ import zmq
 
 from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
 from rackmend.core.failslow import AdviseLearner, FailSlowAction
-from rackmend.core.fragments import FragmentSpec
+from rackmend.core.fragments import FragmentSpec, fragment_problem
 from rackmend.core.records import Joined, Left, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import LearnerSettings, SyncerSettings
 from rackmend.core.shards import Shard, parse_shard
@@ -63,8 +63,8 @@ from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.service.assembly import PendingInit, PieceAssembly
 from rackmend.service.checkpoint import remove_stale_temps
 from rackmend.service.checkpointing import Checkpoints
-from rackmend.service.config import (AUTO_ZMQ_CAP, LOG_WINDOW_S, STRANGER_MAX_BYTES, ServiceConfig,
-                                     layout_message_limit)
+from rackmend.service.config import (ALL_CONNECTIONS_BURST, AUTO_ZMQ_CAP, LOG_WINDOW_S, STRANGER_MAX_BYTES,
+                                     ServiceConfig, layout_message_limit)
 from rackmend.service.events import (
     AuthDenied,
     BadMessage,
@@ -107,6 +107,11 @@ _FRAGMENT_MESSAGES = ("contrib", "init", "fetch", "ack", "moments")
 def _nbytes(frames: list[Any]) -> int:
     return sum(f.nbytes if isinstance(f, memoryview) else len(f.buffer) if isinstance(f, zmq.Frame) else len(f)
                for f in frames)
+
+
+_ALL_CONNECTIONS = "all connections"
+"""The rate limiter's key, beside an event kind, for that kind over every connection
+(connections are keyed by their ZeroMQ identity, bytes, so this str cannot collide)."""
 
 
 class SyncerService:
@@ -301,6 +306,9 @@ class SyncerService:
         p = msg.header.get("fragment")
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:
             return  # malformed: the parser names it
+        problem = None if self._layout is None else fragment_problem(p, len(self._layout))
+        if problem:  # named as the model numbers it: past here the core would name its own number
+            raise wire.WireError(problem)
         if not self.shard.owns(p):
             raise wire.WireError(f"fragment {p} belongs to syncer shard {owner_shard(p, self.shard.count)} of "
                                  f"{self.shard.count}; this is shard {self.shard}. Give the learner every shard's "
@@ -664,10 +672,13 @@ class SyncerService:
 
     def _peer_event(self, ident: bytes, kind: type[ServiceEvent], **fields: Any) -> bool:
         """A ``kind`` event of bad input from connection ``ident`` (its ``peer``), rate-limited
-        per connection and kind (counted in the metrics, by event, whether logged or not).
-        Whether it was logged."""
+        per kind over all connections, then per connection (counted in the metrics, by
+        event, whether logged or not). Whether it was logged."""
         self.metrics.refusal(kind.event)
-        if self._limiter.allow((kind.event, ident), self.clock(), peer=ident.hex()):
+        now = self.clock()
+        every = self.service.log_burst * ALL_CONNECTIONS_BURST
+        if (self._limiter.allow((kind.event, _ALL_CONNECTIONS), now, burst=every)
+                and self._limiter.allow((kind.event, ident), now, peer=ident.hex())):
             self._event(kind, peer=ident.hex(), **fields)
             return True
         return False
@@ -765,7 +776,11 @@ class SyncerService:
         self._start_core(self.shard.fragments(saved.layout), saved.values,
                          None if self._first is None else self._first[1])
         assert self.core is not None
-        self.core.load_state_dict(saved.tensors, saved.meta)
+        try:
+            self.core.load_state_dict(saved.tensors, saved.meta)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # what check_meta does not know of
+            raise ConfigError(f"resume: the checkpoint in {self.checkpoints.directory} does not fit this syncer "
+                              f"({type(exc).__name__}: {exc}); start without --resume or restore a copy") from None
         self.tracker.versions_to_metrics(self.core)
         self.merges = saved.merges
         self.rejected_messages = saved.rejected_messages

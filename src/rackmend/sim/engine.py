@@ -104,12 +104,15 @@ class Goodput:
     """Where the allocated chip-time went, in chip-seconds; the shares add up to 1.
 
     ``useful``: steps whose work reached the global model (merged, or sent and not yet
-    merged when the run ended); ``lost``: steps computed and then thrown away (the step
-    a failure interrupted, work not yet sent when a learner died, contributions the
-    syncer refused or dropped); ``down``: learners restarting (every chip of a
-    non-elastic data-parallel job); ``paused``: elastic reshapes (downscale, upscale);
-    ``failed``: chips waiting for repair; ``blocked``: learners waiting (for the join
-    answer, or a merged value in deterministic mode)."""
+    merged when the run ended), at the rack's normal speed; ``slow``: the time a slowed
+    rack's steps took beyond its normal step time (a rack at 4x puts 3/4 of its
+    chip-time here); ``lost``: steps computed and then thrown away (the step a failure
+    interrupted, work not yet sent when a learner died, contributions the syncer refused
+    or dropped), at normal speed; ``down``: learners restarting (every chip of a
+    non-elastic data-parallel job); ``dead``: learners killed that never came back;
+    ``paused``: elastic reshapes (downscale, upscale); ``failed``: chips waiting for
+    repair; ``blocked``: learners waiting (for the join answer, or a merged value in
+    deterministic mode)."""
 
     allocated: float
     useful: float
@@ -123,6 +126,8 @@ class Goodput:
     data-parallel job) was training."""
     failures: int
     """Chip failures over the run."""
+    slow: float = 0.0
+    dead: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -132,7 +137,8 @@ class Goodput:
     def shares(self) -> dict[str, float]:
         """Each part as a share of the allocated chip-time."""
         a = self.allocated or 1.0
-        return {k: getattr(self, k) / a for k in ("useful", "lost", "down", "paused", "failed", "blocked")}
+        return {k: getattr(self, k) / a
+                for k in ("useful", "slow", "lost", "down", "dead", "paused", "failed", "blocked")}
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "goodput": self.goodput, "shares": self.shares()}
@@ -180,7 +186,7 @@ class SimReport:
 _RESUMED = TrainingResumed()  # carries nothing: one for every step
 
 # What a learner's chips are doing, for the goodput accounting.
-_TRAIN, _PAUSED, _DOWN, _BLOCKED = "train", "paused", "down", "blocked"
+_TRAIN, _PAUSED, _DOWN, _DEAD, _BLOCKED = "train", "paused", "down", "dead", "blocked"
 
 
 @dataclass
@@ -251,7 +257,7 @@ class _Learner:
     acct: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BUCKETS, 0.0))
 
 
-_BUCKETS = ("computing", "lost", "down", "paused", "failed", "blocked")
+_BUCKETS = ("computing", "slow", "lost", "down", "dead", "paused", "failed", "blocked")
 
 
 class Simulation:
@@ -384,8 +390,8 @@ class Simulation:
         dt = self.now - lr.since
         if dt > 0:
             a, acct = lr.active, lr.acct
-            if lr.state == _DOWN:
-                acct["down"] += dt * lr.chips
+            if lr.state in (_DOWN, _DEAD):
+                acct[lr.state] += dt * lr.chips
             else:
                 acct["failed"] += dt * (lr.chips - a)
                 acct["computing" if lr.state == _TRAIN else "paused" if lr.state == _PAUSED else "blocked"] += dt * a
@@ -428,13 +434,29 @@ class Simulation:
         self._push(now + self.config.racks[lr.index].uplink_latency, _JOIN, (lr.lid,))
         self._draw_failure(lr)
 
-    def _step_time(self, lr: _Learner, start: float) -> float:
-        """The time of the learner's next step planned (it starts at ``start``)."""
-        spec = self.config.racks[lr.index]
+    def _slowdown(self, lr: _Learner, start: float) -> float:
+        """How many times its normal time a step of ``lr`` starting at ``start`` takes."""
         factor = 1.0
         for s in self._slowdowns[lr.index]:
             if s.start <= start < s.end:
                 factor *= s.factor
+        return factor
+
+    def _computed(self, lr: _Learner, start: float, end: float) -> float:
+        """Chip-seconds of the step (or part of one) from ``start`` to ``end``, at the rack's
+        normal speed; the rest of that chip-time, when the step was slowed, goes to the
+        ``slow`` bucket here."""
+        cs = (end - start) * lr.active
+        factor = self._slowdown(lr, start) if self._slowdowns[lr.index] else 1.0
+        if factor <= 1.0:
+            return cs
+        lr.acct["slow"] += cs * (1.0 - 1.0 / factor)
+        return cs / factor
+
+    def _step_time(self, lr: _Learner, start: float) -> float:
+        """The time of the learner's next step planned (it starts at ``start``)."""
+        spec = self.config.racks[lr.index]
+        factor = self._slowdown(lr, start)
         if not spec.jitter:
             return spec.step_time * factor
         u = lr.undrawn.pop() if lr.undrawn else self.rngs[lr.index].uniform(-1.0, 1.0)
@@ -515,12 +537,12 @@ class Simulation:
         if not ends or ends[0] >= until:
             return
         done = InnerStepDone(self._tokens(lr))  # one event for all of them: the core keeps none
-        start, active, done_cs, n = lr.step_start, lr.active, lr.done_cs, 0
+        start, done_cs, n = lr.step_start, lr.done_cs, 0
         while ends and ends[0] < until:
             t = ends.popleft()
             if jitter:
                 jitter.popleft()
-            done_cs += (t - start) * active
+            done_cs += self._computed(lr, start, t)
             n += 1
             if handle(done, t):
                 raise SimulationError(f"learner {lr.lid}: step {core.step} at t={t:g} was taken for one with nothing "
@@ -543,7 +565,7 @@ class Simulation:
         if lr.jitter:
             lr.jitter.popleft()
         assert t == self.now, (t, self.now)
-        lr.done_cs += (t - lr.step_start) * lr.active
+        lr.done_cs += self._computed(lr, lr.step_start, t)
         lr.steps += 1
         lr.trained += 1
         arrived, lr.inbox = tuple(lr.inbox), []
@@ -683,7 +705,7 @@ class Simulation:
         was = lr.state
         if was == _TRAIN:
             self._catch_up(lr, self.now)
-            lr.acct["lost"] += (self.now - lr.step_start) * lr.active
+            lr.acct["lost"] += self._computed(lr, lr.step_start, self.now)
             self._unplan(lr)
             lr.paused_until = self.now
         self._set_state(lr, _PAUSED if was == _TRAIN else was)  # closes the interval at the old chip count
@@ -798,7 +820,7 @@ class Simulation:
         are lost; what is on the wire still arrives."""
         if lr.state == _TRAIN:
             self._catch_up(lr, self.now)
-            lr.acct["lost"] += (self.now - lr.step_start) * lr.active
+            lr.acct["lost"] += self._computed(lr, lr.step_start, self.now)
         self._unplan(lr)
         lr.acct["lost"] += math.fsum(lr.done_cs - s for s in lr.sent_cs) / len(self.specs)
         lr.done_cs, lr.sent_cs = 0.0, [0.0] * len(self.specs)
@@ -819,6 +841,8 @@ class Simulation:
         self._die(lr)
         if rejoin_at is not None:
             self._push(rejoin_at, _REJOIN, (i, lr.kill_token))
+        else:
+            self._set_state(lr, _DEAD)  # not restarting: its chips are not coming back
 
     def _on_rejoin(self, i: int, token: int) -> None:
         lr = self.learners[i]
@@ -857,7 +881,8 @@ class Simulation:
         buckets = {k: math.fsum(lr.acct[k] for lr in self.learners) for k in _BUCKETS}
         goodput = Goodput(
             allocated=math.fsum(lr.chips for lr in self.learners) * cfg.duration,
-            useful=buckets["computing"] - buckets["lost"], lost=buckets["lost"], down=buckets["down"],
+            useful=buckets["computing"] - buckets["lost"] - buckets["slow"], slow=buckets["slow"],
+            lost=buckets["lost"], down=buckets["down"], dead=buckets["dead"],
             paused=buckets["paused"], failed=buckets["failed"], blocked=buckets["blocked"],
             uptime=self._uptime / cfg.duration, failures=sum(lr.failures for lr in self.learners))
         return SimReport(

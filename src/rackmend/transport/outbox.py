@@ -43,7 +43,8 @@ class Outbox:
         """Seconds after which an unacknowledged data message counts as lost."""
         self._control: deque[list[Any]] = deque()
         self._latest: dict[Hashable, tuple[str, list[Any]]] = {}
-        self._inflight: dict[Hashable, float] = {}
+        self._inflight: dict[Hashable, tuple[float, list[Any]]] = {}
+        """Per key, when its last data message was sent and that message, until acknowledged."""
         self._last: deque[list[Any]] = deque()
         self.superseded = 0
         """Data messages replaced by a newer one before they could be sent."""
@@ -59,7 +60,7 @@ class Outbox:
         now = time.monotonic() if now is None else now
         if self._control:
             return True
-        if any(k not in self._inflight or now - self._inflight[k] > self.ack_timeout for k in self._latest):
+        if any(k not in self._inflight or now - self._inflight[k][0] > self.ack_timeout for k in self._latest):
             return True
         return bool(self._last) and not self._latest
 
@@ -67,7 +68,7 @@ class Outbox:
         """When (``time.monotonic``) the earliest held data message stops waiting for its
         key's acknowledgement; None when none waits. A caller sleeping on its socket wakes
         by then: no acknowledgement may ever come."""
-        due = [self._inflight[k] + self.ack_timeout for k in self._latest if k in self._inflight]
+        due = [self._inflight[k][0] + self.ack_timeout for k in self._latest if k in self._inflight]
         return min(due) if due else None
 
     @property
@@ -82,6 +83,19 @@ class Outbox:
     def forget_inflight(self) -> None:
         """The connection was replaced (rejoin): nothing sent before will be acknowledged."""
         self._inflight.clear()
+
+    def resend_inflight(self) -> int:
+        """The receiver forgot this connection (it restarted and asks for a hello): what it
+        did not acknowledge it never took in, so each key's unacknowledged message is
+        queued again, after the control messages (the hello), unless a newer one for the
+        key waits already. Returns how many were queued again."""
+        again = 0
+        for key, (_, frames) in self._inflight.items():
+            if key not in self._latest:
+                self._latest[key] = ("", frames)
+                again += 1
+        self._inflight.clear()
+        return again
 
     def add_control(self, frames: list[Any]) -> None:
         self._control.append(frames)
@@ -108,16 +122,17 @@ class Outbox:
         """Send what fits; True when nothing is left to send. ``send`` raises
         ``zmq.Again`` when the connection has no room; any other error propagates."""
         now = time.monotonic() if now is None else now
-        for key in [k for k, t in self._inflight.items() if now - t > self.ack_timeout]:
+        for key in [k for k, (t, _) in self._inflight.items() if now - t > self.ack_timeout]:
             del self._inflight[key]
         try:
             while self._control:
                 send(self._control[0])
                 self._control.popleft()
             for key in [k for k in self._latest if k not in self._inflight]:
-                send(self._latest[key][1])
+                frames = self._latest[key][1]
+                send(frames)
                 del self._latest[key]
-                self._inflight[key] = now
+                self._inflight[key] = (now, frames)
             while self._last and not self._latest:
                 send(self._last[0])
                 self._last.popleft()

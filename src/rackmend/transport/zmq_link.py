@@ -60,6 +60,12 @@ FETCH_RETRY_S = 2.0
 while the syncer is unreachable)."""
 
 
+def new_session() -> int:
+    """A session number for a new link: microseconds since the epoch, then 8 random bits
+    (links started within one microsecond differ). Below 2**63 until the year 2262."""
+    return (time.time_ns() // 1000) << 8 | secrets.randbits(8)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CurveClientKeys:
     """CurveZMQ keys of a learner: its own pair and the syncer's public key (Z85 text)."""
@@ -161,9 +167,11 @@ class ZmqLink(QueueLink):
         self.dropped_sends = 0
         """Heartbeats not sent because the syncer was unreachable at that moment."""
         self._outbox = Outbox()
-        self._session = secrets.randbits(63)
-        """Drawn anew by every link, so a learner restarted from a checkpoint (its step
-        count resumed) numbers its sends in a session of its own, not as replays."""
+        self._session = new_session()
+        """New for every link, so a learner restarted from a checkpoint (its step count
+        resumed) numbers its sends in a session of its own, not as replays; later than
+        every earlier one, so the syncer refuses sessions below a floor (replays of
+        sessions too old to be remembered one by one)."""
         self._seq: dict[int, int] = {}
         """Per fragment, the last sequence number sent (the sending thread only:
         ``RackmendOptimizer``'s send thread)."""
@@ -358,7 +366,13 @@ class ZmqLink(QueueLink):
     def _send_hello(self, dealer: zmq.Socket) -> None:
         self._hello_at = time.monotonic()
         self._hello_due = None
-        self._outbox.forget_inflight()  # a syncer that asks for hello has none of it
+        # A syncer that asks for a hello (restarted, or a shard resumed from its checkpoint)
+        # took in none of what it did not acknowledge: it goes again after the hello, and
+        # merges if still within staleness (8 contributions were lost this way).
+        again = self._outbox.resend_inflight()
+        if again:
+            log.info("%s: %d contribution(s) the syncer did not take in go again after the hello",
+                     self.learner_id, again)
         self._send(dealer, self._hello)
 
     def _send(self, dealer: zmq.Socket, frames: list[Any]) -> None:
