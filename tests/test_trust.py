@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -29,7 +30,8 @@ from rackmend.core import (
 )
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Combined, Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
-from rackmend.core.syncer import RETIRED_SESSIONS
+from rackmend.core.syncer import GUARD_RATE_SLACK, GUARD_STEPS_CAP, RETIRED_SESSIONS
+from rackmend.core.syncer_fragment import GUARD_LONG_GROWTH
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
@@ -211,17 +213,28 @@ def test_guard_allows_for_a_base_versions_behind() -> None:
     assert not events(core.handle(contrib("a", big, base=core.versions[0] - 1, step=step + 8), 10.0), Guarded)
 
 
-def test_guard_allowance_for_claimed_steps_is_capped() -> None:
-    # c_steps is the sender's word: claiming a huge amount of work buys at most
-    # GUARD_STEPS_CAP x the usual bound.
-    from rackmend.core.syncer import GUARD_STEPS_CAP
+def test_guard_allowance_for_claimed_steps_needs_a_believable_step_counter_and_is_capped() -> None:
+    # c_steps is the sender's word: a step counter that went back, or ran faster than
+    # GUARD_RATE_SLACK x the other learners' rate, buys the usual bound only; one that
+    # keeps pace buys at most GUARD_STEPS_CAP x the usual bound.
+    from rackmend.core.syncer import GUARD_RATE_SLACK, GUARD_STEPS_CAP
 
     core = make_core(K=2)
-    step = _honest_rounds(core, 4)
+    step = _honest_rounds(core, 4)  # 8 steps per second, the last sends at t=3
     bad = torch.full((N,), 1e3)
-    actions = core.handle(contrib("b", bad, base=core.versions[0], step=step + 8, steps=10**6), 10.0)
-    (guard,) = events(actions, Guarded)
-    assert guard["bound"] == pytest.approx(core.config.syncer.norm_guard * GUARD_STEPS_CAP * guard["median"])
+    factor = core.config.syncer.norm_guard
+    # 10**6 steps in 7 s: far over 4 x 8 steps/s.
+    (guard,) = events(core.handle(contrib("b", bad, base=core.versions[0], step=step + 10**6, steps=10**6), 10.0),
+                      Guarded)
+    assert guard["bound"] == pytest.approx(factor * guard["median"])
+    assert f"over {GUARD_RATE_SLACK:g}x the reference rate of 8 steps/s" in guard["reason"]
+    (guard,) = events(core.handle(contrib("a", bad, base=core.versions[0], step=step - 8, steps=10**6), 10.0),
+                      Guarded)
+    assert guard["bound"] == pytest.approx(factor * guard["median"]) and "did not advance" in guard["reason"]
+    # 10**6 steps over 10**6 s: believable, and capped.
+    (guard,) = events(core.handle(contrib("b", bad, base=core.versions[0], step=step + 2 * 10**6, steps=10**6),
+                                  10.0 + 10**6), Guarded)
+    assert guard["bound"] == pytest.approx(factor * GUARD_STEPS_CAP * guard["median"])
 
 
 def test_guard_scale_survives_a_checkpoint() -> None:
@@ -313,6 +326,74 @@ def test_one_learner_adds_at_most_one_norm_per_merge() -> None:
     assert events(actions, Merged) and len(core.frags[0].norms) == n + 4
 
 
+def _adversary_bound(core: SyncerCore, c: Contribution, now: float) -> float:
+    """The bound the guard would hold ``c`` to: what an adversary that reads the
+    syncer's state aims just under."""
+    frag = core.frags[c.fragment]
+    scale = frag.scale_for(c.learner_id)
+    assert scale is not None
+    usual = frag.guard_usual_steps()
+    behind = frag.version - c.base_version
+    credited, _ = core._credited(c, usual, now)
+    return core.config.syncer.norm_guard * scale * min(GUARD_STEPS_CAP, max(1.0, credited / usual) + behind)
+
+
+@pytest.mark.parametrize("fleet", ["with honest learners", "alone"])
+@pytest.mark.parametrize("lie", ["steps", "steps and counter"])
+def test_an_adversary_sending_just_under_its_bound_every_merge_cannot_ratchet_it(fleet: str, lie: str) -> None:
+    """The reported attack, and the ways it adapts: an admitted learner claims 64x its
+    real steps (also advancing its step counter 64x as fast, in the second form) and
+    sends just under its bound at every merge, reading the bound from the syncer's state.
+    It once grew its bound 19 248x in 57 merges and then merged a 1e6x contribution
+    unclipped. Now its bound comes from the other learners' norms (leave-one-out), its
+    claimed steps are credited only as its counter and the clock allow, and the scale
+    cannot outgrow its own history: with honest learners its bound stays where theirs
+    puts it; alone it grows in proportion to the merges, not exponentially, and the 1e6x
+    send is clipped and named either way."""
+    ids = ("a", "b", "c", "mallory") if fleet != "alone" else ("mallory",)
+    core = make_core(learners=ids, K=1)
+    g = torch.Generator().manual_seed(3)
+    step, t = 0, 0.0
+    honest = torch.linalg.vector_norm(torch.full((N,), 0.01)).item()
+    for r in range(6):  # everybody honest at first: the guard learns the scale
+        step += 8
+        for lid in ids:
+            core.handle(contrib(lid, torch.full((N,), 0.01) * (1 + 0.1 * torch.rand(N, generator=g)),
+                                base=core.versions[0], step=step), t)
+            t += 0.25
+    start = core.frags[0].scale_for("mallory")
+    assert start is not None
+    counter = step
+    for r in range(57):
+        step += 8
+        counter += 8 * 64 if lie == "steps and counter" else 8
+        for lid in ids:
+            if lid == "mallory":
+                c = Contribution("mallory", 0, core.versions[0], counter, 8 * 64, 64.0 * 64, 0.01, (torch.ones(N),))
+                size = 0.99 * _adversary_bound(core, c, t) / _norm_of(torch.ones(N))
+                actions = core.handle(ContributionArrived(replace(c, tensors=(torch.ones(N) * size,))), t)
+                assert not events(actions, Guarded), "the adversary misread its bound"
+            else:
+                core.handle(contrib(lid, torch.full((N,), 0.01) * (1 + 0.1 * torch.rand(N, generator=g)),
+                                    base=core.versions[0], step=step), t)
+            t += 0.25
+    grown = core.frags[0].scale_for("mallory") / start  # type: ignore[operator]
+    if fleet == "alone":
+        # In proportion to the merges: the history's median is the scale of half of them ago.
+        assert grown <= GUARD_LONG_GROWTH * (57 + 6) / 6, grown
+    else:
+        assert grown <= 2.0, grown  # the honest learners' norms set it
+    counter += 8 * 64 if lie == "steps and counter" else 8
+    huge = Contribution("mallory", 0, core.versions[0], counter, 8 * 64, 64.0 * 64, 0.01,
+                        (torch.ones(N) * 1e6 * honest / _norm_of(torch.ones(N)),))
+    (guard,) = events(core.handle(ContributionArrived(huge), t + 1.0), Guarded)
+    assert guard["learner"] == "mallory" and guard["bound"] < 1e6 * honest / 10, guard
+    if fleet != "alone":  # at most the steps cap over the honest learners' norms
+        assert guard["bound"] <= 30 * GUARD_STEPS_CAP * 2 * honest, guard
+    if lie == "steps and counter":  # a counter running 64x as fast is not believed
+        assert guard["bound"] <= 30 * 2 * honest * (GUARD_LONG_GROWTH * 63 / 6 if fleet == "alone" else 1), guard
+
+
 def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
     # A learner alone in its rounds owns the whole window; sending just under the bound
     # every round, it raises its bound by at most GUARD_GROWTH per merge.
@@ -337,20 +418,24 @@ def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
     assert scales[-1] <= start * GUARD_GROWTH**20
 
 
-def test_honest_norms_growing_slowly_are_never_clipped() -> None:
-    # Norms growing 25 % per round, 2 learners, 60 rounds (a 6e5-fold rise, far steeper
-    # than training's): the window follows and nobody is clipped.
+@pytest.mark.parametrize("growth", ["warm-up", "5%"])
+def test_honest_norms_growing_are_never_clipped(growth: str) -> None:
+    # Norms growing as a learning-rate warm-up from 1 % of the peak makes them (linear,
+    # 100-fold over 60 rounds), or 5 % per round (19-fold), 2 learners, 150 rounds: the
+    # window and the long-horizon cap follow, and nobody is clipped. (Exponential growth
+    # of 25 % per round is not honest training: the long-horizon cap holds it back.)
     core = make_core(K=2)
     g = torch.Generator().manual_seed(0)
     step = 0
     clipped: list[dict] = []
-    for r in range(60):
+    for r in range(150):
         step += 8
+        size = min(r + 1, 100) * 0.0001 if growth == "warm-up" else 0.01 * 1.05 ** min(r, 60)
         for who in ("a", "b"):
             noise = 1 + 0.2 * torch.rand(N, generator=g)
-            clipped += events(core.handle(contrib(who, 0.01 * 1.25**r * noise, base=core.versions[0], step=step),
-                                          float(r)), Guarded)
-    assert clipped == [] and core.versions[0] == 60
+            clipped += events(core.handle(contrib(who, size * noise, base=core.versions[0], step=step), float(r)),
+                              Guarded)
+    assert clipped == [] and core.versions[0] == 150
 
 
 def test_guard_waits_for_enough_norms_and_zero_disables_it() -> None:

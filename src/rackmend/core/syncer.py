@@ -30,6 +30,7 @@ from __future__ import annotations
 import cmath
 import math
 from bisect import bisect_left, insort
+from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Sequence, Union
@@ -156,6 +157,14 @@ GUARD_STEPS_CAP = 64.0
 the first send after an outage carries every step made during it (49x the usual in
 ``benchmarks/chaos.py``) and is honestly that much larger, but ``c_steps`` is the
 sender's word, so what a lie can buy is capped at this multiple."""
+
+GUARD_RATE_SLACK = 4.0
+"""How many times the reference step rate (the other learners', else the learner's own
+recent one) a learner's step counter may advance between two of its sends before the
+guard credits it no more than the usual steps: a learner claiming 64x its steps and
+stepping its counter to match would otherwise buy a 64x bound every time."""
+STEP_RATES_KEPT = 32
+"""Recent step rates remembered per learner (the reference of the check above)."""
 
 MAX_SEQ = 2**63 - 1
 """The largest sequence number the wire carries."""
@@ -360,6 +369,11 @@ class SyncerCore:
         self.last_counts: dict[str, tuple[float, int]] = {}
         """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
         it is counted with in a round it misses (``count_absent``)."""
+        self._last_send: dict[tuple[str, int], tuple[float, int]] = {}
+        """Per (learner, fragment), when its last accepted send arrived and the learner
+        step it was of: how many steps the next one can honestly claim."""
+        self._step_rates: dict[str, deque[float]] = {}
+        """Per learner, its recent steps per second between accepted sends of a fragment."""
         self.last_merged: dict[tuple[str, int], int] = {}
         """Per (learner, fragment), the version its work last went into: only a learner
         whose work still arrives counts as absent (an idle peer must not damp every merge)."""
@@ -523,6 +537,8 @@ class SyncerCore:
             "norms": [m["norms"] for m in per],
             "norm_steps": [m["norm_steps"] for m in per],
             "norm_scale": [m["norm_scale"] for m in per],
+            "norm_learners": [m["norm_learners"] for m in per],
+            "scale_history": [m["scale_history"] for m in per],
             "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
             "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
             "epoch": self.epoch,
@@ -546,7 +562,7 @@ class SyncerCore:
             part = {"version": meta["versions"][p], "optim": meta["optim"][p]}
             # .get: checkpoints written before the replay and norm guards lack these,
             # and those from before the growth cap lack the scale.
-            for key in ("norms", "norm_steps", "norm_scale"):
+            for key in ("norms", "norm_steps", "norm_scale", "norm_learners", "scale_history"):
                 if p < len(meta.get(key, ())):
                     part[key] = meta[key][p]
             f.load_state_dict(tensors, part)
@@ -673,6 +689,7 @@ class SyncerCore:
         accepted_norm = norm if guarded is c else None
         c = guarded
         self._note_sequence(c)
+        self._note_send(c, now)
         old = rnd.pending.get(lid)
         if old is None:
             rnd.pend(lid, c, accepted_norm)
@@ -762,39 +779,95 @@ class SyncerCore:
     def _guard(self, c: Contribution, norm: float, now: float, actions: list[Action]) -> Contribution | None:
         """``c`` (of finite values, L2 norm ``norm``), clipped to its bound when above it;
         None (rejected) when its norm overflows float64. The bound is ``norm_guard`` x
-        the fragment's scale (the lower median of recent merged norms, grown by at most ``GUARD_GROWTH`` per merge) x the
-        work ``c`` holds in units of the usual: its steps over the usual, plus one
-        usual period per version its base is behind (a learner whose updates stopped
-        arriving sends the drift since its base every time), at least 1 and at most
-        ``GUARD_STEPS_CAP``. Nothing here changes the scale: norms enter the window when
-        they are merged (``SyncerFragment.note_norms``), so a burst of sends within a
-        round cannot move it."""
+        the scale for its sender (``SyncerFragment.scale_for``: the lower median of the
+        recent merged norms the other learners sent, under growth caps) x the work ``c``
+        holds in units of the usual: the steps credited to it (``_credited``) over the
+        usual, plus one usual period per version its base is behind (a learner whose
+        updates stopped arriving sends the drift since its base every time), at least 1
+        and at most ``GUARD_STEPS_CAP``. Nothing here changes the scale: norms enter the
+        window when they are merged (``SyncerFragment.note_norms``), so a burst of sends
+        within a round cannot move it."""
         if not math.isfinite(norm):
             self._reject(c, now, "norm_overflow", "outer gradient norm overflows float64", actions)
             return None
         frag = self.frags[c.fragment]
-        median = frag.norm_scale
+        scale = frag.scale_for(c.learner_id)
         factor = self.config.syncer.norm_guard
-        if factor > 0 and median is not None:
+        if factor > 0 and scale is not None:
             usual_steps = frag.guard_usual_steps()
             behind = frag.version - c.base_version  # <= max_staleness, checked before
-            work = min(GUARD_STEPS_CAP, (max(1.0, c.c_steps / usual_steps) if usual_steps > 0 else 1.0) + behind)
-            bound = factor * median * work
+            credited, doubt = self._credited(c, usual_steps, now)
+            work = min(GUARD_STEPS_CAP, (max(1.0, credited / usual_steps) if usual_steps > 0 else 1.0) + behind)
+            bound = factor * scale * work
             if norm > bound:
-                scale = bound / norm
                 raw = frag.window_median()
                 actions.append(Guarded(
-                    t=now, learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=median,
+                    t=now, learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=scale,
                     c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
-                            f"more than norm_guard={factor:g} x the median {median:.4g} of recent ones"
-                            + (f" (capped: the window's median {raw:.4g} grew faster than GUARD_GROWTH="
-                               f"{GUARD_GROWTH:g}x per merge)" if raw > median else "")
-                            + (f" x {work:.3g} for its {c.c_steps} steps (usually {usual_steps}) on a base "
+                            f"more than norm_guard={factor:g} x the median {scale:.4g} of recent ones from the other "
+                            "learners"
+                            + (f" (capped: the window's median {raw:.4g} grew faster than the guard lets it)"
+                               if raw > scale and frag.norm_scale is not None and scale >= frag.norm_scale else "")
+                            + (f" x {work:.3g} for {credited:.4g} steps (usually {usual_steps}) on a base "
                                f"{behind} versions behind" if work > 1 else "")
+                            + (f"; {doubt}" if doubt else "")
                             + f": clipped to {bound:.4g}. If this names honest learners, raise SyncerConfig.norm_guard")))
-                return replace(c, tensors=tuple((t.to(torch.float64) * scale).to(t.dtype) for t in c.tensors))
+                return replace(c, tensors=tuple((t.to(torch.float64) * (bound / norm)).to(t.dtype) for t in c.tensors))
         return c
+
+    def _credited(self, c: Contribution, usual: int, now: float) -> tuple[float, str | None]:
+        """The steps of ``c`` the guard credits, and why fewer than it claims (None: all).
+        ``c_steps`` is the sender's word, and honestly cumulative (a learner that adopted
+        a rejoin answer, or whose merges do not arrive, sends all its progress since
+        its last applied value every time), so it is not compared with the steps since
+        the last send; but the step counter must advance at a believable rate: when it
+        advanced faster than ``GUARD_RATE_SLACK`` x the reference step rate (the other
+        learners' median, else the learner's own recent one) since the learner's last
+        accepted send of the fragment, or went back, no more than the usual is
+        credited."""
+        claimed = float(c.c_steps)
+        prev = self._last_send.get((c.learner_id, c.fragment))
+        if prev is None or claimed <= usual:
+            return claimed, None
+        t0, step0 = prev
+        advance = c.step - step0
+        if advance <= 0:
+            return float(usual), (f"its step counter did not advance since its last send ({step0} -> {c.step}): "
+                                  f"credited the usual {usual} steps, not the {c.c_steps} it claims")
+        reference = self._reference_rate(c.learner_id)
+        elapsed = now - t0
+        if reference is not None and advance > GUARD_RATE_SLACK * reference * elapsed + usual:
+            return float(usual), (f"its step counter advanced {advance} steps in {elapsed:.3g} s, over "
+                                  f"{GUARD_RATE_SLACK:g}x the reference rate of {reference:.3g} steps/s: credited the "
+                                  f"usual {usual} steps, not the {c.c_steps} it claims")
+        return claimed, None
+
+    def _reference_rate(self, learner: str) -> float | None:
+        """The median of the other learners' median step rates; the learner's own median
+        when no other has one; None when neither has."""
+        own = None
+        medians = []
+        for lid, rates in self._step_rates.items():
+            if rates:
+                m = sorted(rates)[len(rates) // 2]
+                if lid == learner:
+                    own = m
+                else:
+                    medians.append(m)
+        return sorted(medians)[len(medians) // 2] if medians else own
+
+    def _note_send(self, c: Contribution, now: float) -> None:
+        """Remember an accepted send's time and step, and the learner's step rate since
+        its previous one (for ``_credited``)."""
+        key = (c.learner_id, c.fragment)
+        prev = self._last_send.get(key)
+        if prev is not None and c.step > prev[1] and now > prev[0]:
+            rates = self._step_rates.setdefault(c.learner_id, deque(maxlen=STEP_RATES_KEPT))
+            rates.append((c.step - prev[1]) / (now - prev[0]))
+        # Also when the counter went back (a restart from a checkpoint): the next send is
+        # measured from the new count; the time limit keeps a late old send from paying.
+        self._last_send[key] = (now, c.step)
 
     def _check_units(self, c: Contribution, now: float, actions: list[Action]) -> None:
         """Warn once per learner whose tokens per step look like other units than the

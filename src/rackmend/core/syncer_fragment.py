@@ -63,6 +63,19 @@ below it: the largest growth from one merge to the next measured on the demo GPT
 given in docs/reliability.md ("Does the guard touch honest training?")."""
 
 
+GUARD_HISTORY = 1024
+"""Merges of a fragment whose guard scale is remembered for the long-horizon cap."""
+
+GUARD_LONG_GROWTH = 2.0
+"""Most the guard's scale may stand above the lower median of its last ``GUARD_HISTORY``
+values. ``GUARD_GROWTH`` alone compounds (2x per merge: 19 248x in 57 merges once, by a
+learner alone sending just under its bound every merge); against the median of its own
+history the scale grows at most in proportion to the merges (2x the median, which is
+the value of half the merges ago). Honest norms rising linearly from nothing (a
+learning-rate warm-up) stand at 2x that median, and the bound is ``norm_guard`` (30)
+times the scale, so honest work is clipped only past 60x the history's median."""
+
+
 def theta_key(p: int, i: int) -> str:
     """The checkpoint name of tensor ``i`` of fragment ``p``'s global value."""
     return f"theta/{p}/{i}"
@@ -266,6 +279,11 @@ class SyncerFragment:
         per merge (the norm guard's window)."""
         self.norm_steps: deque[int] = deque(maxlen=GUARD_WINDOW)
         """The ``c_steps`` behind those norms (the guard's usual amount of work)."""
+        self.norm_learners: deque[str] = deque(maxlen=GUARD_WINDOW)
+        """Who sent each of ``norms`` ("" for norms from a checkpoint that predates it):
+        a learner's bound is taken from the others' norms (``scale_for``)."""
+        self.scale_history: deque[float] = deque(maxlen=GUARD_HISTORY)
+        """``norm_scale`` after each merge that set it (the long-horizon cap)."""
         self.norm_scale: float | None = None
         """The norm the guard's bound is a multiple of: the window's lower median, grown by
         at most ``GUARD_GROWTH`` per merge; None until the window holds ``GUARD_MIN_NORMS``
@@ -351,6 +369,7 @@ class SyncerFragment:
                 norm = contribution_norm(c.tensors, pool)
             if norm > 0 and math.isfinite(norm):  # a zero delta says nothing about the scale
                 self.norms.append(norm)
+                self.norm_learners.append(lid)
                 if c.c_steps > 0:
                     self.norm_steps.append(c.c_steps)
         self.rescale()
@@ -359,11 +378,35 @@ class SyncerFragment:
         """Set the guard scale from the window: the lower median (with two learners and
         one entry each per merge, the upper one would be the larger learner's, so one liar
         beside one honest learner would set it), at most ``GUARD_GROWTH`` x the previous
-        scale."""
+        scale and ``GUARD_LONG_GROWTH`` x the lower median of its recent history."""
         if len(self.norms) < GUARD_MIN_NORMS:
             return
-        median = self.window_median()
-        self.norm_scale = median if self.norm_scale is None else min(median, GUARD_GROWTH * self.norm_scale)
+        scale = self.window_median()
+        if self.norm_scale is not None:
+            scale = min(scale, GUARD_GROWTH * self.norm_scale)
+        self.norm_scale = min(scale, self.long_cap())
+        self.scale_history.append(self.norm_scale)
+
+    def long_cap(self) -> float:
+        """``GUARD_LONG_GROWTH`` x the lower median of the scale's recent history (inf
+        while it holds fewer than ``GUARD_MIN_NORMS`` values)."""
+        h = self.scale_history
+        if len(h) < GUARD_MIN_NORMS:
+            return math.inf
+        return GUARD_LONG_GROWTH * sorted(h)[(len(h) - 1) // 2]
+
+    def scale_for(self, learner: str) -> float | None:
+        """The scale of the guard's bound for a contribution of ``learner``: the lower
+        median of the window's norms the other learners sent (leave-one-out: what a
+        learner sends never raises its own bound), under the long-horizon cap; the
+        fragment's scale when fewer than ``GUARD_MIN_NORMS`` came from others (a learner
+        alone: docs/reliability.md says what the guard can do then). None: no guard yet."""
+        if self.norm_scale is None:
+            return None
+        others = sorted(n for n, lid in zip(self.norms, self.norm_learners) if lid != learner)
+        if len(others) < GUARD_MIN_NORMS:
+            return self.norm_scale
+        return min(others[(len(others) - 1) // 2], self.long_cap())
 
     def note_gain(self, median: float, harmful: float) -> int:
         """Record a merge's median gain; the streak of those below ``-harmful``."""
@@ -388,7 +431,8 @@ class SyncerFragment:
             for i, t in enumerate(hist):
                 tensors[f"history/{p}/{v}/{i}"] = t
         meta = {"version": self.version, "optim": {"param_groups": sd["param_groups"], "scalars": scalars},
-                "norms": list(self.norms), "norm_steps": list(self.norm_steps), "norm_scale": self.norm_scale}
+                "norms": list(self.norms), "norm_steps": list(self.norm_steps), "norm_scale": self.norm_scale,
+                "norm_learners": list(self.norm_learners), "scale_history": list(self.scale_history)}
         return tensors, meta
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -420,6 +464,12 @@ class SyncerFragment:
         self.round = Round()
         self.norms = deque((float(x) for x in meta.get("norms", ())), maxlen=GUARD_WINDOW)
         self.norm_steps = deque((int(x) for x in meta.get("norm_steps", ())), maxlen=GUARD_WINDOW)
+        # Older checkpoints: the norms' senders unknown (every learner's bound then comes
+        # from the whole window until they are replaced), no history (the cap starts anew).
+        learners = [str(x) for x in meta.get("norm_learners", ())]
+        self.norm_learners = deque(learners if len(learners) == len(self.norms) else [""] * len(self.norms),
+                                   maxlen=GUARD_WINDOW)
+        self.scale_history = deque((float(x) for x in meta.get("scale_history", ())), maxlen=GUARD_HISTORY)
         if "norm_scale" in meta:
             self.norm_scale = None if meta["norm_scale"] is None else float(meta["norm_scale"])
         else:

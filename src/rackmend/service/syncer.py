@@ -247,6 +247,9 @@ class SyncerService:
                         except zmq.Again:
                             break
                         self._on_message(frames)
+                        # A message can be hundreds of MiB (a stranger's of many frames, each
+                        # under ZeroMQ's per-frame cap): not kept until the next one arrives.
+                        del frames
                 self.members.drop_silent(self.clock(), self._silent)
                 self._check_init()
                 self._expire_pieces()
