@@ -182,6 +182,9 @@ def format_goodput(g: Goodput) -> str:
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        short = config.failures.short_run_warning(config.duration)
+        if short:
+            print(f"rackmend simulate: warning: {short}", file=sys.stderr)
         if args.data_parallel:
             g = simulate_data_parallel(config.failures, duration=config.duration, seed=config.seed,
                                        step_time=config.racks[0].step_time)

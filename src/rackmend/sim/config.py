@@ -16,7 +16,8 @@ from typing import Literal
 
 from rackmend.config import ConfigError, RackmendConfig, check_choice
 
-__all__ = ["RackSpec", "Kill", "Slowdown", "Failures", "FailureMode", "FAILURE_MODES", "SimConfig", "HOUR", "YEAR"]
+__all__ = ["RackSpec", "Kill", "Slowdown", "Failures", "FailureMode", "FAILURE_MODES", "SimConfig", "HOUR", "YEAR",
+           "SHORT_RUN_REPAIRS"]
 
 FailureMode = Literal["restart", "elastic"]
 FAILURE_MODES: tuple[str, ...] = typing.get_args(FailureMode)
@@ -104,6 +105,10 @@ class Slowdown:
         _check(self.end > self.start, f"Slowdown.end ({self.end:g}) must be after Slowdown.start ({self.start:g})")
 
 
+SHORT_RUN_REPAIRS = 10.0
+"""Runs shorter than this many repair times get a warning with their goodput."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Failures:
     """Chip failures as a Poisson process, and what a learner (or a data-parallel job) does
@@ -151,6 +156,17 @@ class Failures:
     @property
     def mtbi_s(self) -> float:
         return self.mtbi_hours * HOUR
+
+    def short_run_warning(self, duration: float) -> str | None:
+        """Why goodput over ``duration`` seconds overstates a long run's, or None: chips
+        fail from the start, but the ones waiting for repair only pile up to their steady
+        state after ``repair_time``, so a run not much longer than it is charged too little
+        for them (1.2M chips, elastic: 98.9 % over one hour, 93.3 % over 24)."""
+        if not self.enabled or duration >= SHORT_RUN_REPAIRS * self.repair_time:
+            return None
+        return (f"the run ({duration:g} s) is shorter than {SHORT_RUN_REPAIRS:g}x repair_time ({self.repair_time:g} "
+                "s): chips waiting for repair have not piled up to their steady state, so its goodput overstates "
+                f"a long run's; simulate at least {SHORT_RUN_REPAIRS * self.repair_time:g} s (--duration)")
 
     def __post_init__(self) -> None:
         _check(isinstance(self.chips, int) and not isinstance(self.chips, bool) and self.chips >= 0,
