@@ -800,15 +800,12 @@ class SyncerCore:
             work = min(GUARD_STEPS_CAP, (max(1.0, credited / usual_steps) if usual_steps > 0 else 1.0) + behind)
             bound = factor * scale * work
             if norm > bound:
-                raw = frag.window_median()
                 actions.append(Guarded(
                     t=now, learner=c.learner_id, fragment=c.fragment, step=c.step, norm=norm, median=scale,
                     c_steps=c.c_steps, usual_steps=usual_steps, behind=behind, bound=bound, action="clipped",
                     reason=(f"learner {c.learner_id}'s outer gradient for fragment {c.fragment} has norm {norm:.4g}, "
-                            f"more than norm_guard={factor:g} x the median {scale:.4g} of recent ones from the other "
-                            "learners"
-                            + (f" (capped: the window's median {raw:.4g} grew faster than the guard lets it)"
-                               if raw > scale and frag.norm_scale is not None and scale >= frag.norm_scale else "")
+                            f"more than norm_guard={factor:g} x the guard's scale {scale:.4g} (the median of recent "
+                            "norms of the other learners, capped in its growth)"
                             + (f" x {work:.3g} for {credited:.4g} steps (usually {usual_steps}) on a base "
                                f"{behind} versions behind" if work > 1 else "")
                             + (f"; {doubt}" if doubt else "")
