@@ -143,6 +143,14 @@ def watch_log(svc: SyncerService) -> list[SyncerRecord]:
     return records
 
 
+def keygen(directory: Path, name: str, *extra: str) -> None:
+    """``rackmend keygen DIRECTORY NAME [EXTRA]``, the command's own code run in this
+    process: a Python start-up per key cost the Curve tests seconds each."""
+    from rackmend.cli import main
+
+    assert main(["keygen", str(directory), name, *extra]) == 0, f"keygen {name} failed"
+
+
 def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[SyncerRecord], threading.Thread]:
     """A syncer service on 127.0.0.1 (any free port) serving on a daemon thread, and the
     list its log records are also appended to, typed (``watch_log``). Stop it with

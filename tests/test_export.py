@@ -5,7 +5,8 @@ corrupt checkpoint is refused with a clear message."""
 
 from __future__ import annotations
 
-import os
+import contextlib
+import io
 import signal
 import subprocess
 import sys
@@ -24,20 +25,29 @@ from rackmend import (
     SyncerConfig,
     export_model,
 )
+from rackmend.cli import main as cli_main
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Merged
 from rackmend.transport.zmq_link import ZmqLink
 
 from _export_model import make_tied_model, tied_batch
 from helpers import batch, make_inner, make_model, run_threads, serving
-from procs import HERE, Procs, events, finish
+from procs import Procs, events, finish
 
 EXPORT = [sys.executable, "-m", "rackmend.cli", "export"]
 
 
 def run_export(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([*EXPORT, *args], capture_output=True, text=True, timeout=120, env=env)
+    """``rackmend export ARGS``, the command's own code run in this process (a Python
+    start-up per call cost seconds; ``--model`` modules import from this folder, on the
+    path already): its exit code and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli_main(["export", *args])
+        except SystemExit as exc:  # argparse's refusals
+            rc = exc.code if isinstance(exc.code, int) else 2
+    return subprocess.CompletedProcess([*EXPORT, *args], rc, out.getvalue(), err.getvalue())
 
 
 def test_export_of_a_real_training_loads_strictly_and_computes_the_syncers_theta(procs: Procs,

@@ -27,7 +27,7 @@ from rackmend.transport import wire
 from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import make_model, serving
+from helpers import keygen, make_model, serving
 from procs import Procs, events, finish, of, wait_for
 from test_trust import CONFIG, Raw
 
@@ -228,7 +228,7 @@ def _curve_run(procs: Procs, tmp_path: Path, learner: str, allowed_ids: tuple[st
     process ``learner`` with its key: (the keys' directory, the endpoint, the learner)."""
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     for name in ("syncer", *allowed_ids):
-        _keygen(keys, name)
+        keygen(keys, name)
     allowed.mkdir()
     for name in allowed_ids:
         (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
@@ -237,11 +237,6 @@ def _curve_run(procs: Procs, tmp_path: Path, learner: str, allowed_ids: tuple[st
     real = procs.learner(endpoint, learner, *LEARNER_FLAGS, "--keys", str(keys / f"{learner}.key"),
                          str(keys / f"{learner}.key_secret"), str(keys / "syncer.key"))
     return keys, endpoint, real
-
-
-def _keygen(keys: Path, name: str, *extra: str) -> None:
-    subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name, *extra], check=True,
-                   capture_output=True, timeout=60)
 
 
 def _curve_raw(endpoint: str, lid: str, keys: Path, name: str) -> Raw:
@@ -286,7 +281,7 @@ def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Pr
 
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     for name in ("syncer", "l0", "eve"):
-        _keygen(keys, name)
+        keygen(keys, name)
     allowed.mkdir()
     (allowed / "l0.key").write_bytes((keys / "l0.key").read_bytes())
     syncer, endpoint = procs.syncer(*SYNCER_FLAGS, "--secret-key", str(keys / "syncer.key_secret"),
@@ -319,9 +314,9 @@ def test_refused_curve_handshakes_are_logged_rate_limited_with_a_count(procs: Pr
 def test_keygen_learners_names_the_ids_a_key_may_use(tmp_path: Path) -> None:
     from rackmend.service.identity import load_key_ids
 
-    _keygen(tmp_path, "l0")
-    _keygen(tmp_path, "ops", "--learners", "l2,l3")  # one key for two learners, named in its metadata
-    _keygen(tmp_path, "any", "--learners", "*")
+    keygen(tmp_path, "l0")
+    keygen(tmp_path, "ops", "--learners", "l2,l3")  # one key for two learners, named in its metadata
+    keygen(tmp_path, "any", "--learners", "*")
     ids = {next(k for k in load_key_ids(tmp_path) if k == zmq.auth.load_certificate(str(tmp_path / f"{n}.key"))[
         0].decode()): n for n in ("l0", "ops", "any")}
     got = {ids[k]: v for k, v in load_key_ids(tmp_path).items()}

@@ -7,8 +7,6 @@ import dataclasses
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,8 +40,8 @@ from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import (Dealer, assert_files_equal_reference, batch, free_port, make_inner, make_model, serving, train,
-                     watch_log)
+from helpers import (Dealer, assert_files_equal_reference, batch, free_port, keygen, make_inner, make_model, serving,
+                     train, watch_log)
 from reference import reference_run
 
 from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
@@ -227,8 +225,7 @@ def test_syncer_restarted_without_its_checkpoint_goes_on_from_the_newest_global_
 def test_curve_admits_only_allowed_learner_keys(procs: Procs, tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     for name in ("syncer", "l0", "intruder"):
-        subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name], check=True,
-                       capture_output=True, timeout=60)
+        keygen(keys, name)
     allowed.mkdir()
     (allowed / "l0.key").write_bytes((keys / "l0.key").read_bytes())
     _, endpoint = procs.syncer("--secret-key", str(keys / "syncer.key_secret"), "--allowed-keys", str(allowed),

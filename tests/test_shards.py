@@ -6,10 +6,7 @@ gives the shards' endpoints in the wrong order, or one endpoint only, is refused
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from rackmend.transport import wire
 from helpers import assert_files_equal_reference, batch, make_inner, make_model, serving
 from procs import LEARNER, Procs, finish, of, progress, read_records, wait_for
 from reference import reference_run
+from test_status import status_json
 from test_trust import CONFIG, Raw
 
 
@@ -129,10 +127,8 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     wait_for(lambda: bool(shard_events(tmp_path, 1, CheckpointWritten)), 90,
              "shard 1's first checkpoint", (a, b))
     # `rackmend status` over both shards: one view, every fragment, each learner once.
-    view = subprocess.run([sys.executable, "-m", "rackmend.cli", "status", endpoints, "--once", "--json"],
-                          capture_output=True, text=True, timeout=60)
-    assert view.returncode == 0, view.stderr
-    status = json.loads(view.stdout)
+    rc, status, err = status_json(endpoints)
+    assert rc == 0 and status is not None, err
     assert [f["fragment"] for f in status["fragments"]] == [0, 1, 2, 3]
     assert [x["shard"] for x in status["syncer"]["shards"]] == ["0/2", "1/2"]
     assert [ln["id"] for ln in status["learners"]] == ["l0", "l1"]
@@ -152,10 +148,8 @@ def test_a_killed_shard_pauses_only_its_fragments_and_resumes_from_its_checkpoin
     wait_for(lambda: progress(pa)[0] >= step + 40 and len(during()) >= 4 and {e.fragment for e in during()} == {0, 2},
              90, "l0 to keep stepping and shard 0 to keep merging both its fragments with shard 1 down", (a, b))
     # `rackmend status` with a shard down shows the live one and marks the dead one.
-    view = subprocess.run([sys.executable, "-m", "rackmend.cli", "status", endpoints, "--once", "--json",
-                           "--timeout", "2"], capture_output=True, text=True, timeout=60)
-    assert view.returncode == 0, view.stderr
-    status = json.loads(view.stdout)
+    rc, status, err = status_json(endpoints, timeout=2.0)
+    assert rc == 0 and status is not None, err
     assert status["syncer"]["state"] == "degraded" and status["syncer"]["shard"] == "1 of 2 shards"
     assert [(x["shard"], x["state"]) for x in status["syncer"]["shards"]] == [("0/2", "running"),
                                                                               ("1/2", "unreachable")]

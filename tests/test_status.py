@@ -5,6 +5,8 @@ while learners keep being served; the asker never counts as a learner."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shlex
 import os
@@ -16,6 +18,7 @@ import pytest
 import zmq
 from safetensors.torch import load_file
 
+from rackmend.cli import main as cli_main
 from rackmend import RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.core.records import Merged
 from rackmend.service.events import AuthDenied, BadMessage
@@ -23,17 +26,20 @@ from rackmend.transport import wire
 from rackmend.transport.status import StatusClient, StatusRefused, StatusTimeout
 from rackmend.transport.zmq_link import ZmqLink
 
-from helpers import Dealer, make_inner, make_model, serving, train
+from helpers import Dealer, keygen, make_inner, make_model, serving, train
 from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
 
 STATUS = [sys.executable, "-m", "rackmend.cli", "status"]
 
 
 def status_json(endpoint: str, *flags: str, timeout: float = 10.0) -> tuple[int, dict | None, str]:
-    """``rackmend status --once --json`` as a subprocess: (exit code, document, stderr)."""
-    done = subprocess.run([*STATUS, endpoint, "--once", "--json", "--timeout", str(timeout), *flags],
-                          capture_output=True, text=True, timeout=timeout + 60)
-    return done.returncode, json.loads(done.stdout) if done.returncode == 0 else None, done.stderr
+    """``rackmend status --once --json``, the command's own code run in this process (a
+    Python start-up per call cost seconds): (exit code, document, stderr). The tests below
+    that need a process of its own (a pipe closed early) start one."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["status", endpoint, "--once", "--json", "--timeout", str(timeout), *flags])
+    return rc, json.loads(out.getvalue()) if rc == 0 else None, err.getvalue()
 
 
 def last_versions(tmp: Path, fragments: int) -> list[int]:
@@ -102,8 +108,7 @@ def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs:
 def test_status_obeys_the_syncers_curve_keys(procs: Procs, tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     for name in ("syncer", "l0", "ops", "intruder"):
-        subprocess.run([sys.executable, "-m", "rackmend.cli", "keygen", str(keys), name], check=True,
-                       capture_output=True, timeout=60)
+        keygen(keys, name)
     allowed.mkdir()
     for name in ("l0", "ops"):
         (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
