@@ -4,7 +4,9 @@ every option is a config dataclass field (name, default, docstring, allowed valu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import logging
 import os
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rackmend.cli import main as cli_main
 from rackmend.config import (
     CompressionConfig,
     ConfigError,
@@ -67,9 +70,21 @@ def test_non_loopback_bind_needs_keys_or_insecure(bind: str) -> None:
     ServiceConfig(bind="tcp://[::1]:5555")
 
 
+def _printed(*argv: str) -> str:
+    """What ``rackmend ARGV`` prints, run in this process (a Python start-up per call
+    cost seconds); it must succeed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc = cli_main(list(argv))
+        except SystemExit as exc:  # --help ends with exit 0
+            rc = exc.code
+    assert rc in (0, None), (argv, rc)
+    return out.getvalue()
+
+
 def test_help_documents_every_option() -> None:
-    out = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = _printed("syncer", "--help")
     for o in OPTIONS:
         assert "--" + o.name.replace("_", "-") in out and "RACKMEND_" + o.name.upper() in out
 
@@ -147,8 +162,7 @@ def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
     expected = [(owner, f.name) for owner, only in SYNCER_PARTS.items() for f in dataclasses.fields(owner)
                 if only is None or f.name in only]
     assert sorted(by_field, key=str) == sorted(expected, key=str)
-    out = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = _printed("syncer", "--help")
     squashed = "".join(out.split()).replace("``", "`")  # argparse re-wraps the text
     for (owner, name), o in by_field.items():
         doc = field_docs(owner)[name]
@@ -280,8 +294,7 @@ def test_the_docs_table_is_the_generated_one() -> None:
     assert marker in text
     after = text.split(marker, 1)[1].split("\n", 1)[1].lstrip("\n")
     table = after[:after.index("\n\n") + 1] if "\n\n" in after else after
-    printed = subprocess.run([sys.executable, "-m", "rackmend.cli", "syncer", "--help-markdown"], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
+    printed = _printed("syncer", "--help-markdown")
     assert printed == options_markdown()
     assert table == printed, "docs/multinode.md: paste the output of `rackmend syncer --help-markdown`"
     rows = table.splitlines()[2:]
