@@ -60,8 +60,9 @@ def _until_marker(sock: zmq.Socket, timeout: float) -> None:
     raise AssertionError(f"the syncer did not get through the flood in {timeout}s")
 
 
-def test_message_limits_before_and_after_join(procs: Procs, tmp_path: Path) -> None:
-    _, endpoint = procs.syncer("--overlap", "1")
+def test_message_limits_before_and_after_join() -> None:
+    svc, records, thread = serving(CONFIG)
+    endpoint = svc.endpoint
     member = Raw(endpoint, "l0")
     stranger = _stranger(endpoint)
     try:
@@ -76,16 +77,18 @@ def test_message_limits_before_and_after_join(procs: Procs, tmp_path: Path) -> N
         member.send([*member.contribution(), b"\0" * (limit + 1)])
         errors = member.errors(10.0)
         assert errors and f"exceeds the limit of {limit}" in errors[0]["reason"], errors
-        (named,) = events(tmp_path, MessageLimit)
+        (named,) = of(records, MessageLimit)
         assert named.bytes == limit  # what to pass as --max-message-mb for ZeroMQ's own cap
         member.send(member.contribution())  # an ordinary one still merges
         end = time.monotonic() + 20
-        while not any("l0" in e.merged for e in events(tmp_path, Merged)):
+        while not any("l0" in e.merged for e in of(records, Merged)):
             assert time.monotonic() < end, "the member's contribution was never merged"
             time.sleep(0.05)
     finally:
         member.close()
         stranger.close()
+        svc.stop()
+        thread.join(20)
 
 
 def test_junk_flood_from_a_peer_that_never_reads_is_bounded(procs: Procs, tmp_path: Path) -> None:
@@ -177,11 +180,12 @@ def test_a_hello_and_leave_storm_from_one_connection_writes_a_bounded_log(procs:
         assert len(lines) + counted == rounds, (kind, len(lines), counted)
 
 
-def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread(procs: Procs, tmp_path: Path) -> None:
+def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread() -> None:
     """While the model is unknown ZeroMQ's pre-read cap is AUTO_ZMQ_CAP (256 MiB), not
     2 GiB: a 300 MiB message from a connection that never joined is dropped by ZeroMQ
     before it is read into the syncer's memory (before, it was read whole, then refused)."""
-    syncer, endpoint = procs.syncer("--overlap", "1")
+    svc, records, thread = serving(CONFIG)
+    endpoint = svc.endpoint
     stranger = _stranger(endpoint)
     other = Raw(endpoint, "l0")
     try:
@@ -194,8 +198,11 @@ def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread(procs: Procs, t
     finally:
         stranger.close()
         other.close()
-    assert syncer.poll() is None
-    assert not [e for e in events(tmp_path, BadMessage) if "exceeds the limit" in e.reason]
+        alive = thread.is_alive()
+        svc.stop()
+        thread.join(20)
+    assert alive
+    assert not [e for e in of(records, BadMessage) if "exceeds the limit" in e.reason]
 
 
 def _rss_mib(pid: int) -> float:
@@ -231,11 +238,11 @@ def test_a_strangers_multi_frame_message_is_refused_and_its_memory_given_back(pr
     assert syncer.poll() is None
 
 
-def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_message_mb(
-        procs: Procs, tmp_path: Path) -> None:
+def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_message_mb() -> None:
     """Its messages would be cut off unread by ZeroMQ and retried for ever: the hello is
     refused with the value to pass instead."""
-    _, endpoint = procs.syncer("--overlap", "1")
+    svc, records, thread = serving(CONFIG)
+    endpoint = svc.endpoint
     big = [FragmentSpec(p, off, (TensorSpec(f"w{p}", (80 << 20,), torch.float32),))  # 320 MiB each
            for p, off in enumerate(fragment_offsets(2, 4))]
     raw = Raw(endpoint, "big")
@@ -244,7 +251,9 @@ def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_messa
         reply = raw.recv(10.0)
     finally:
         raw.close()
+        svc.stop()
+        thread.join(20)
     assert reply is not None and reply[0]["type"] == "error" and reply[0]["code"] == "fatal", reply
     assert "--max-message-mb 321" in reply[0]["reason"], reply[0]["reason"]
-    (refused,) = events(tmp_path, SettingsRefused)
+    (refused,) = of(records, SettingsRefused)
     assert refused.setting == "message_limit"

@@ -47,7 +47,10 @@ from reference import reference_run
 from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
 from test_trust import CONFIG as RAW_CONFIG
 
-@pytest.mark.parametrize("P,tau,ranks", [(1, 0, 1), (2, 1, 1), (4, 1, 2)])
+# Two cases over processes: tau=0 with one fragment, and several fragments on torchrun
+# ranks. Schedules in between are checked bit for bit in-process
+# (test_deterministic.py: M x P x tau x weighting x merge); the wire path is the same.
+@pytest.mark.parametrize("P,tau,ranks", [(1, 0, 1), (4, 1, 2)])
 def test_three_learner_processes_equal_the_reference(procs: Procs, tmp_path: Path, P: int, tau: int,
                                                      ranks: int) -> None:
     """ranks=2: each learner is a torchrun job of 2 gloo ranks, fragments striped over them."""
