@@ -50,7 +50,7 @@ def last_versions(tmp: Path, fragments: int) -> list[int]:
 def test_status_lists_every_learner_and_fragment_with_the_logged_versions(procs: Procs, tmp_path: Path) -> None:
     P = 2
     _, endpoint = procs.syncer("--learners", "l0,l1", "--grace-max", "0.3", "--heartbeat-timeout", "30")
-    common = ("--step-sleep", "0.03", "--H", "3", "--P", str(P), "--learners", "l0,l1")
+    common = ("--step-sleep", "0.02", "--H", "3", "--P", str(P), "--learners", "l0,l1")
     pa, pb = tmp_path / "l0.progress", tmp_path / "l1.progress"
     held = tmp_path / "l0.held.safetensors"
     # l1 is a torchrun job of two ranks: each carries the fragments p = rank (mod 2). Both
