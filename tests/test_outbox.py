@@ -33,6 +33,28 @@ def test_a_leave_waits_for_the_data_queued_before_it() -> None:
     assert not box
 
 
+def test_what_was_not_acknowledged_goes_again_after_a_hello_unless_newer_waits() -> None:
+    """A restarted syncer took in none of what it did not acknowledge: with ``keep_sent``
+    each key's unacknowledged message is queued again after the hello; a key with a
+    newer message waiting sends only that one, an acknowledged one nothing. Without
+    ``keep_sent`` (the syncer's side: updates to every peer) nothing is held or resent."""
+    sent: list[str] = []
+    box = Outbox(keep_sent=True)
+    for key, frames in ((0, ["a1"]), (1, ["b1"]), (2, ["c1"])):
+        box.add_latest(key, frames)
+    assert box.flush(lambda frames: sent.append(frames[0]), now=0.0)
+    box.ack(1)
+    box.add_latest(2, ["c2"])  # newer than the unacknowledged c1: held
+    assert box.resend_inflight() == 1
+    box.add_control(["hello"])
+    assert box.flush(lambda frames: sent.append(frames[0]), now=1.0)
+    assert sent == ["a1", "b1", "c1", "hello", "c2", "a1"], sent
+    plain = Outbox()
+    plain.add_latest(0, ["a1"])
+    assert plain.flush(lambda frames: None, now=0.0)
+    assert plain.resend_inflight() == 0 and not plain
+
+
 def test_held_data_is_not_sendable_until_acknowledged_or_expired() -> None:
     box = Outbox(ack_timeout=5.0)
     assert not box.sendable(0.0) and box.next_expiry() is None

@@ -38,13 +38,18 @@ being written to the kernel and one behind it; everything else waits here."""
 class Outbox:
     """Pending messages of one peer; see the module docstring."""
 
-    def __init__(self, ack_timeout: float = 15.0) -> None:
+    def __init__(self, ack_timeout: float = 15.0, *, keep_sent: bool = False) -> None:
         self.ack_timeout = ack_timeout
         """Seconds after which an unacknowledged data message counts as lost."""
+        self.keep_sent = keep_sent
+        """Hold each key's last sent data message until it is acknowledged, for
+        ``resend_inflight`` (a learner's link: one contribution per fragment). Off where
+        the messages are large and many (the syncer's updates to every peer)."""
         self._control: deque[list[Any]] = deque()
         self._latest: dict[Hashable, tuple[str, list[Any]]] = {}
-        self._inflight: dict[Hashable, tuple[float, list[Any]]] = {}
-        """Per key, when its last data message was sent and that message, until acknowledged."""
+        self._inflight: dict[Hashable, tuple[float, list[Any] | None]] = {}
+        """Per key, when its last data message was sent and (``keep_sent``) that message,
+        until acknowledged."""
         self._last: deque[list[Any]] = deque()
         self.superseded = 0
         """Data messages replaced by a newer one before they could be sent."""
@@ -91,7 +96,7 @@ class Outbox:
         key waits already. Returns how many were queued again."""
         again = 0
         for key, (_, frames) in self._inflight.items():
-            if key not in self._latest:
+            if frames is not None and key not in self._latest:
                 self._latest[key] = ("", frames)
                 again += 1
         self._inflight.clear()
@@ -132,7 +137,7 @@ class Outbox:
                 frames = self._latest[key][1]
                 send(frames)
                 del self._latest[key]
-                self._inflight[key] = (now, frames)
+                self._inflight[key] = (now, frames if self.keep_sent else None)
             while self._last and not self._latest:
                 send(self._last[0])
                 self._last.popleft()

@@ -166,7 +166,7 @@ class ZmqLink(QueueLink):
         self.bytes_received = 0
         self.dropped_sends = 0
         """Heartbeats not sent because the syncer was unreachable at that moment."""
-        self._outbox = Outbox()
+        self._outbox = Outbox(keep_sent=True)  # what a restarted syncer did not take in goes again
         self._session = new_session()
         """New for every link, so a learner restarted from a checkpoint (its step count
         resumed) numbers its sends in a session of its own, not as replays; later than
