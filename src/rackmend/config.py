@@ -371,13 +371,15 @@ class SyncerConfig:
 
     norm_guard: float = 30.0
     """Poisoning guard: per fragment, a contribution whose outer-gradient norm exceeds
-    ``norm_guard`` x the lower median norm of the last ``GUARD_WINDOW`` (32) merged,
-    unclipped contributions, times how much more work than usual it holds (its steps over the
-    usual, plus one per version its base is behind; 1 to ``GUARD_STEPS_CAP`` = 64), is
-    clipped to that bound (logged as ``guard`` with both
-    norms and both step counts). A learner adds at most one norm per merge, and the
-    median used grows by at most ``GUARD_GROWTH`` (2x) per merge, so no learner can
-    ratchet the bound up by sending ever larger gradients just under it. No guard
+    ``norm_guard`` x the lower median norm of the other learners' contributions among the
+    last ``GUARD_WINDOW`` (32) merged, unclipped ones (its own when it is alone), times how
+    much more work than usual it holds (its steps over the usual, credited only while its
+    step counter advances at a believable rate, plus one per version its base is behind;
+    1 to ``GUARD_STEPS_CAP`` = 64), is clipped to that bound (logged as ``guard`` with both
+    norms and both step counts). A learner adds at most one norm per merge, never to its
+    own bound, and the scale grows by at most ``GUARD_GROWTH`` (2x) per merge and
+    ``GUARD_LONG_GROWTH`` (2x) over its history's median, so no learner can ratchet its
+    bound up by sending ever larger gradients just under it. No guard
     until ``GUARD_MIN_NORMS`` (5) nonzero norms are known. Clipped rather than rejected:
     an honest learner back from a long outage legitimately sends a larger gradient, and
     clipping keeps its direction and work while capping what any one send can move.
