@@ -284,6 +284,9 @@ class SyncerFragment:
         a learner's bound is taken from the others' norms (``scale_for``)."""
         self.scale_history: deque[float] = deque(maxlen=GUARD_HISTORY)
         """``norm_scale`` after each merge that set it (the long-horizon cap)."""
+        self._long_cap = math.inf
+        """``long_cap()`` of the current history, kept: every contribution reads it, and
+        the history changes only at a rescale or a load."""
         self.norm_scale: float | None = None
         """The norm the guard's bound is a multiple of: the window's lower median, grown by
         at most ``GUARD_GROWTH`` per merge; None until the window holds ``GUARD_MIN_NORMS``
@@ -384,8 +387,9 @@ class SyncerFragment:
         scale = self.window_median()
         if self.norm_scale is not None:
             scale = min(scale, GUARD_GROWTH * self.norm_scale)
-        self.norm_scale = min(scale, self.long_cap())
+        self.norm_scale = min(scale, self._long_cap)
         self.scale_history.append(self.norm_scale)
+        self._long_cap = self.long_cap()
 
     def long_cap(self) -> float:
         """``GUARD_LONG_GROWTH`` x the lower median of the scale's recent history (inf
@@ -406,7 +410,7 @@ class SyncerFragment:
         others = sorted(n for n, lid in zip(self.norms, self.norm_learners) if lid != learner)
         if len(others) < GUARD_MIN_NORMS:
             return self.norm_scale
-        return min(others[(len(others) - 1) // 2], self.long_cap())
+        return min(others[(len(others) - 1) // 2], self._long_cap)
 
     def note_gain(self, median: float, harmful: float) -> int:
         """Record a merge's median gain; the streak of those below ``-harmful``."""
@@ -470,6 +474,7 @@ class SyncerFragment:
         self.norm_learners = deque(learners if len(learners) == len(self.norms) else [""] * len(self.norms),
                                    maxlen=GUARD_WINDOW)
         self.scale_history = deque((float(x) for x in meta.get("scale_history", ())), maxlen=GUARD_HISTORY)
+        self._long_cap = self.long_cap()
         if "norm_scale" in meta:
             self.norm_scale = None if meta["norm_scale"] is None else float(meta["norm_scale"])
         else:
