@@ -8,7 +8,12 @@ schedule, counters, outer gradients, the outer step and the apply rules are writ
 out again here from the design, so the distributed run is checked against them.
 Floating buffers are merged by the weighted mean without an outer step (a BatchNorm
 running_var with its running_mean: the pooled variance, mean of the variances plus the
-variance of the means).
+variance of the means). A learner sends a BatchNorm layer's running statistic as its own
+estimate since the value last written into it (a merged value, or the initial one):
+with w the share of that value b0 left in the running value r after the n batches since
+(w = (1 - momentum)^n; momentum None: w = n0 / n_now, the batch counts), it sends
+(r - w b0) / (1 - w), or r itself where 1 - w < 1e-6; a variance is kept >= 0. The
+arithmetic is float64, rounded to the buffer's dtype.
 
 Compression, written out the same way (the codec classes only encode and decode):
 each learner keeps a residual per (fragment, tensor) and sends decode(encode(Δ + r)),
@@ -53,6 +58,37 @@ class _Learner:
     residual: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     codec_state: dict[tuple[int, int], dict] = field(default_factory=dict)
     moments_sent: dict[tuple[int, str], tuple[int, list[torch.Tensor], int, float]] = field(default_factory=dict)
+    written: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    """BatchNorm statistics by name: (the value last written, the layer's batch count then)."""
+
+
+def _batchnorm_of(model: nn.Module, name: str) -> nn.modules.batchnorm._NormBase | None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if (leaf in ("running_mean", "running_var") and isinstance(module, nn.modules.batchnorm._NormBase)
+            and module.track_running_stats):
+        return module
+    return None
+
+
+def _note_written(L: _Learner, names: tuple[str, ...]) -> None:
+    for name in names:
+        bn = _batchnorm_of(L.model, name)
+        if bn is not None:
+            L.written[name] = (L.model.get_buffer(name).detach().clone(), int(bn.num_batches_tracked))
+
+
+def _as_sent(L: _Learner, name: str, value: torch.Tensor) -> torch.Tensor:
+    bn = _batchnorm_of(L.model, name)
+    if bn is None:
+        return value
+    b0, n0 = L.written[name]
+    n = int(bn.num_batches_tracked)
+    w = (n0 / n if n > 0 else 1.0) if bn.momentum is None else (1.0 - bn.momentum) ** (n - n0)
+    if 1.0 - w < 1e-6:
+        return value
+    x = (value.double() - w * b0.double()) / (1.0 - w)
+    return (x.clamp_min(0.0) if name.endswith("running_var") else x).to(value.dtype)
 
 
 def _lossy_send(codec, residual: dict, state: dict, key: tuple, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +140,8 @@ def reference_run(
             model, make_inner(model), [[t.clone() for t in th] for th in theta],
             [0] * len(frags), [0.0] * len(frags),
         )
+        if sch.sync_buffers:
+            _note_written(learners[lid], tuple(n for f in frags for n in f.names))
 
     def merge(f) -> None:
         p = f.index
@@ -140,6 +178,7 @@ def reference_run(
                     else:
                         q.copy_(value + (q - snap[i]))
             L.held[p] = [v.clone() for v in theta[p]]
+            _note_written(L, f.names)
             if rule == "keep_local":
                 L.c_steps[p] -= s_steps
                 L.c_tokens[p] -= s_tokens
@@ -186,7 +225,7 @@ def reference_run(
             for f in frags:
                 if (t - f.offset) % sch.sync_every == 0:
                     snap = [q.detach().clone() for q in params(L.model, f)]
-                    delta = [h - s for h, s in zip(L.held[f.index], snap)]
+                    delta = [h - _as_sent(L, n, s) for h, s, n in zip(L.held[f.index], snap, f.names)]
                     if not up.lossless:
                         delta = [_lossy_send(up, L.residual, L.codec_state, (f.index, i), d)
                                  for i, d in enumerate(delta)]

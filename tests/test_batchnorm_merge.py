@@ -1,14 +1,20 @@
-"""BatchNorm statistics of racks on different data, merged by the syncer core, against
-one pass of BatchNorm over the union of their data."""
+"""BatchNorm statistics of racks on different data, merged by the syncer core (one merge)
+and in training runs (learners and syncer), against one pass of BatchNorm over the union
+of their data."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 from torch import nn
 
-from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend import InProcessSyncer, LearnerConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 from rackmend.core import Contribution, ContributionArrived, LearnerJoined, SyncerCore, pack_fragments
 from rackmend.core.fragments import fragment_tensors
+
+from helpers import run_threads
 
 BATCH = 64
 
@@ -62,3 +68,91 @@ def test_merged_batchnorm_variance_matches_a_pass_over_the_union() -> None:
     # The plain weighted mean of the racks' variances (the old rule) misses the spread.
     plain = (2 * statistics(rack_a).running_var + statistics(rack_b).running_var) / 3
     assert not torch.allclose(plain, truth.running_var, rtol=0.3)
+
+
+# ------------------------------------------------------------------ in training
+class _Net(nn.Module):
+    """BatchNorm on the input, then a linear regression: the statistics are the data's."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4, momentum=momentum)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(x)).squeeze(-1)
+
+
+SHIFT = {"l0": -3.0, "l1": 3.0}
+"""Each rack's inputs: N(shift, 1) in every feature; the pooled variance is 1 + 9 = 10."""
+
+
+def _rack_batch(lid: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * int(lid[1:]) + step)
+    x = SHIFT[lid] + torch.randn(32, 4, generator=g)
+    return x, x @ torch.tensor([1.0, -2.0, 0.5, 1.5]) + 0.1 * torch.randn(32, generator=g)
+
+
+def _train_racks(momentum: float | None, sync_every: int, overlap: int, steps: int) -> nn.Module:
+    """Two racks on shifted data under a real RackmendOptimizer and in-process syncer;
+    returns the global model (weights and merged statistics)."""
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return _Net(momentum)
+
+    config = RackmendConfig(
+        schedule=ScheduleConfig(sync_every=sync_every, num_fragments=1, overlap=overlap),
+        syncer=SyncerConfig(min_quorum=2, learners=tuple(SHIFT), outer_optimizer="SGD", outer_lr=1.0,
+                            outer_kwargs={}, failslow=False),
+        learner=LearnerConfig(wait_timeout=30), deterministic=True)
+    hub = InProcessSyncer.for_model(config, model())
+
+    def rack(lid: str) -> None:
+        m = model()
+        opt = RackmendOptimizer(m, torch.optim.SGD(m.parameters(), lr=0.01), config, hub.connect(), learner_id=lid)
+        for t in range(1, steps + 1):
+            x, y = _rack_batch(lid, t)
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step(tokens=32)
+        opt.close()
+
+    run_threads(rack, [(lid,) for lid in SHIFT])
+    hub.close()
+    glob = model()
+    glob.load_state_dict(hub.core.global_parameters(), strict=False)
+    return glob
+
+
+@pytest.mark.parametrize("momentum,sync_every,overlap", [(0.1, 8, 0), (0.1, 4, 1), (None, 8, 1)])
+def test_statistics_merged_in_training_match_the_pooled_data(momentum: float | None, sync_every: int,
+                                                             overlap: int) -> None:
+    """H < 1/momentum: after each merge a rack's running statistics move only part of the
+    way from the global value back to its own data before the next send. What the
+    learners send is their own estimate, so the merged variance is the pooled one (10),
+    not the ~6 that counting the global value again at every merge gave (issue 33,
+    item 10), and the global model predicts with its merged statistics as well as with
+    statistics recomputed over both racks' data."""
+    glob = _train_racks(momentum, sync_every, overlap, steps=20 * sync_every)
+    var, mean = glob.bn.running_var, glob.bn.running_mean
+    assert mean.abs().max() < 0.3, mean
+    assert torch.allclose(var, torch.full_like(var, 10.0), rtol=0.12), var
+
+    held_out = [_rack_batch(lid, 10_000 + i) for lid in SHIFT for i in range(8)]
+    # One pass over both racks' data, its batches mixing them (as in the test above).
+    union = torch.cat([x for x, _ in held_out])
+    union = union[torch.randperm(len(union), generator=torch.Generator().manual_seed(3))]
+    recomputed = copy.deepcopy(glob)
+    recomputed.bn.reset_running_stats()
+    recomputed.bn.momentum = None
+    recomputed.train()
+    with torch.no_grad():
+        for x in union.split(32):
+            recomputed.bn(x)
+
+    def mse(m: nn.Module) -> float:
+        m.eval()
+        with torch.no_grad():
+            return sum(float(nn.functional.mse_loss(m(x), y)) for x, y in held_out) / len(held_out)
+
+    assert abs(mse(glob) / mse(recomputed) - 1) < 0.05, (mse(glob), mse(recomputed))

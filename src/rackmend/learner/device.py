@@ -71,12 +71,16 @@ class CudaCopies:
     # ------------------------------------------------------------------ snapshots
     @torch.no_grad()
     def snapshot(self, p: int, params: Sequence[torch.Tensor], keep: bool, in_flight: int, owns: bool,
-                 forward_writes: Sequence[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                 forward_writes: Sequence[bool], sent: Sequence[torch.Tensor] | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Fragment p's pieces for ``SnapshotTaken``: (host pieces, at-send copy or None).
         The host pieces are pinned buffers the copy is still filling (``ready(p)``). A rank
         that sends nothing of p (``owns`` False) needs only the copy kept for the apply.
         ``forward_writes``: per tensor, whether the next forward pass may write it in place
-        (buffers: BatchNorm's running statistics), which ``guard_writes`` does not order."""
+        (buffers: BatchNorm's running statistics), which ``guard_writes`` does not order.
+        ``sent``: what to send in place of ``params`` where it differs (new tensors for
+        BatchNorm statistics, ``rackmend.learner.statistics``); the copy kept for the
+        apply is always of ``params``."""
         if keep and not owns and in_flight < self.bound:
             kept = [t.detach().clone() for t in params]
             return kept, kept
@@ -86,7 +90,8 @@ class CudaCopies:
             self._pinned[p] = buffers
         # Written by the next forward before the copy may have read them: copied from a
         # clone taken now on the current stream (buffers are small).
-        sources = [t.detach().clone() if w else t.detach() for t, w in zip(params, forward_writes, strict=True)]
+        sources = [s.detach() if s is not t else t.detach().clone() if w else t.detach()
+                   for s, t, w in zip(sent or params, params, forward_writes, strict=True)]
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -106,7 +111,7 @@ class CudaCopies:
             return buffers, [t.detach().clone() for t in params]
         # The buffers are reused at the next send, so the copy kept must be another.
         done.synchronize()
-        return [t.clone() for t in buffers], None
+        return [t.clone() for t in buffers], None if sent is None else [t.detach().clone() for t in params]
 
     def ready(self, p: int) -> Any:
         """The event after fragment p's latest snapshot copy (the send thread waits for it)."""

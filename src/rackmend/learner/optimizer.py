@@ -73,6 +73,7 @@ from rackmend.learner.binding import Mismatch, compare, launcher, local_of, shar
 from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
 from rackmend.learner.sending import SendThread
+from rackmend.learner.statistics import RunningStats
 from rackmend.learner.tensorboard import Applied, LearnerScalars
 from rackmend.transport.base import LearnerLink, TransportError
 
@@ -193,6 +194,9 @@ class RackmendOptimizer(torch.optim.Optimizer):
         """Per fragment, the model's tensors (parameters and synced buffers) in order; of a
         DTensor, this rank's local shard (a view: writing it writes the parameter). The
         pieces the core's values and actions are about."""
+        self._stats = RunningStats(model, self.fragments) if sch.sync_buffers else None
+        """BatchNorm statistics: sent as the rack's own estimate (``rackmend.learner.statistics``)."""
+        self._mark_all()
         self.core = LearnerCore(config, self.fragments, learner_id=learner_id, rank=self.rank,
                                 world_size=self.world_size, layout=self._pieces.layout)
         """The learner's rules and per-fragment state (``rackmend.core.learner``)."""
@@ -479,6 +483,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
             for params, saved in zip(self._params, rs["params"]):
                 for param, value in zip(params, saved):
                     param.copy_(value)
+        self._mark_all()
         self._run(rebases)
         rebased = bool(rebases)
         # Parameters only: a forward pass updates buffers (BatchNorm statistics) in place.
@@ -486,6 +491,16 @@ class RackmendOptimizer(torch.optim.Optimizer):
                          for s, t in zip(spec.tensors, ts) if not s.is_buffer] if rebased else None
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
+
+    def _mark(self, fragment: int) -> None:
+        """Fragment ``fragment``'s values were just written: its BatchNorm statistics count
+        their batches from here."""
+        if self._stats:
+            self._stats.mark(fragment, self._params[fragment])
+
+    def _mark_all(self) -> None:
+        for p in range(len(self.fragments)):
+            self._mark(p)
 
     def _check_model(self) -> None:
         """At the first step: raise if a multi-rank rack does not keep its copies of a
@@ -663,12 +678,16 @@ class RackmendOptimizer(torch.optim.Optimizer):
                 # The previous send of this fragment has read its snapshot (pinned buffers
                 # are reused; host copies stay at one per fragment in memory).
                 self._sends.wait(a.fragment)
+                sent = self._stats.sent(a.fragment, params) if self._stats else None
                 if self._cuda is not None and params and params[0].is_cuda:
                     pieces, at_send = self._cuda.snapshot(
                         a.fragment, params, a.keep, len(self.core.in_flight()), self.core.owns(a.fragment),
-                        [spec.is_buffer for spec in self.fragments[a.fragment].tensors])
+                        [spec.is_buffer for spec in self.fragments[a.fragment].tensors], sent)
                 else:
-                    pieces, at_send = [t.detach().to("cpu", copy=True) for t in params], None
+                    pieces = [t.detach().to("cpu", copy=True) for t in (sent or params)]
+                    # keep_local adds the progress since the send to the merged value: the
+                    # progress of the buffers as they are, not of what was sent for them.
+                    at_send = [t.detach().to("cpu", copy=True) for t in params] if sent and a.keep else None
                 self._run(self.core.handle(SnapshotTaken(a.fragment, pieces, at_send), self._clock()))
             elif isinstance(a, SendFragment):
                 ready = None if self._cuda is None else self._cuda.ready(a.draft.fragment)
@@ -680,6 +699,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
                     self._cuda.forget(a.fragment)
                     self._cuda.guard_writes()
                 a.apply_to(self._params[a.fragment])
+                self._mark(a.fragment)
             elif isinstance(a, WaitForVersion):
                 self._run(self.core.handle(WaitAnswered(a.fragment, self._wait(a)), self._clock()))
             elif isinstance(a, ShareChanges):
@@ -858,6 +878,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         else:
             self._cuda.guard_writes()
             self._cuda.on_device(action).apply_to(self._params[p])
+        self._mark(p)
         if before is not None:
             assert self.probe_loss is not None
             self._run(self.core.handle(ProbeMeasured(p, before, float(self.probe_loss())), self._clock()))
