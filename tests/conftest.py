@@ -8,6 +8,16 @@ import pytest
 import torch
 
 from procs import Procs
+from rackmend.transport.tokens import TOKEN_DIR_ENV
+
+
+@pytest.fixture(autouse=True)
+def token_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Learner links (in-process and the processes tests start) keep resume tokens in the
+    test's own folder, not the user's state folder, and never see another test's."""
+    folder = tmp_path / "tokens"
+    monkeypatch.setenv(TOKEN_DIR_ENV, str(folder))
+    return folder
 
 
 @pytest.fixture

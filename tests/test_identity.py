@@ -6,6 +6,7 @@ heartbeats go on while a contribution waits for its receipt."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -174,6 +175,83 @@ def test_a_learner_whose_id_was_taken_while_it_was_stopped_merges_again_when_it_
     assert not [e for e in of(ev[back:], Rejected) if e.learner == "l0" and "replay" in e.reason]
 
 
+def test_a_paused_learner_keeps_its_id_against_a_stranger_and_takes_it_back_with_its_token(
+        procs: Procs, tmp_path: Path) -> None:
+    """Issue 33, item 8: at the default --takeover-after, a stranger saying hello as l0
+    every 0.25 s while l0 is stopped for 5 s gets only 'busy', even after l0 was dropped
+    as silent (--heartbeat-timeout 2): the rank stays reserved for its resume token.
+    (Before: the id went to the stranger 5.5 s into the pause and l0 merged 0 times in
+    20 s.) When l0 resumes, its link says hello with the token and is taken back at once."""
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--heartbeat-timeout", "2")
+    real = procs.learner(endpoint, "l0", *LEARNER_FLAGS)
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, 0) >= 3, 60, "l0 to merge fragment 0", (real,))
+    mallory = Raw(endpoint, "l0")
+    mallory.versions = {}
+    replies = []
+    try:
+        real.send_signal(signal.SIGSTOP)
+        for _ in range(22):  # 5.5 s of hellos: past the old 5 s takeover and the 2 s silence bound
+            replies.append(_try_hello(mallory, "l0", 0.25))
+            time.sleep(0.25)
+        # A token that is not the rank's does not help either.
+        mallory.send(wire.hello_frames("l0", 0, 1, mallory.frags, LearnerSettings.from_config(CONFIG),
+                                       token="0" * wire.MAX_TOKEN_CHARS))
+        replies.append(first_error(mallory, 5.0))
+    finally:
+        mallory.close()
+        real.send_signal(signal.SIGCONT)
+    answered = [r for r in replies if r is not None]
+    assert answered and all(r["type"] == "error" and r["code"] == "busy" for r in answered), replies
+    assert any("reserved for the process that held it" in r["reason"] for r in answered), [r["reason"][:60] for r in answered]
+    back = len(events(tmp_path))
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60, "l0 to merge again", (real,))
+    ev = events(tmp_path)
+    assert [e.learner for e in of(ev, Silent)] == ["l0"], "l0 was dropped as silent during its pause"
+    assert [e.learner for e in of(ev, Joined)] == ["l0", "l0"], "l0 joined again, nobody else did"
+    assert not of(ev, TakenOver)
+
+
+def _restart_after_kill(procs: Procs, tmp_path: Path, endpoint: str) -> tuple[subprocess.Popen, float]:
+    """Start l0, let it merge, SIGKILL it and start it again; (the new process, when)."""
+    first = procs.learner(endpoint, "l0", *LEARNER_FLAGS, name="l0-first")
+    wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, 0) >= 3, 60, "l0 to merge fragment 0", (first,))
+    first.kill()
+    first.wait(10)
+    return procs.learner(endpoint, "l0", *LEARNER_FLAGS, name="l0-second"), time.monotonic()
+
+
+def test_a_learner_restarted_on_its_host_takes_its_id_back_at_once(procs: Procs, tmp_path: Path,
+                                                                   token_dir: Path) -> None:
+    """The link keeps the rank's token in a file; a process restarted after a SIGKILL finds
+    it (its writer is gone) and is admitted as soon as it says hello, long before the
+    default 30 s --takeover-after that a hello without the token would wait for."""
+    _, endpoint = procs.syncer(*SYNCER_FLAGS)
+    second, started = _restart_after_kill(procs, tmp_path, endpoint)
+    assert len(list(token_dir.glob("*.json"))) == 1, "the first process kept its token"
+    wait_for(lambda: len(of(events(tmp_path), Joined)) >= 2, 60, "the restarted l0 to join", (second,))
+    joined_after = time.monotonic() - started
+    ev = events(tmp_path)
+    (take,) = of(ev, TakenOver)
+    assert take.learner == "l0" and take.token and take.silent_s < 20, take  # its token, not the 30 s silence
+    assert not [e for e in of(ev, IdentityRefused) if e.learner == "l0"], "the restarted l0 was never refused"
+    assert joined_after < 25, joined_after
+
+
+def test_a_learner_restarted_without_its_token_waits_for_takeover_after(procs: Procs, tmp_path: Path,
+                                                                        token_dir: Path) -> None:
+    """The same restart where the token file is not (another host): refused as 'busy'
+    until l0 has been silent for --takeover-after, then admitted."""
+    _, endpoint = procs.syncer(*SYNCER_FLAGS, "--takeover-after", "4")
+    second, _ = _restart_after_kill(procs, tmp_path, endpoint)
+    for f in token_dir.glob("*.json"):
+        f.unlink()  # gone before the new process reads it (it starts in ~2 s)
+    wait_for(lambda: len(of(events(tmp_path), Joined)) >= 2, 60, "the restarted l0 to join", (second,))
+    ev = events(tmp_path)
+    (take,) = of(ev, TakenOver)
+    assert take.silent_s >= 4 and not take.token, take
+    assert [e for e in of(ev, IdentityRefused) if e.learner == "l0"], "refused while l0 was reserved"
+
+
 def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path: Path) -> None:
     """The same attack with Curve keys bound to ids: the stranger's key may speak as
     itself only, so however long l0 is silent, its id stays l0's."""
@@ -186,6 +264,7 @@ def test_with_curve_a_stopped_learners_id_cannot_be_taken(procs: Procs, tmp_path
         replies = []
         for _ in range(16):  # 4 s of hellos: well past --takeover-after
             replies.append(_try_hello(mallory, "l0", 0.25))
+            time.sleep(0.25)
         assert all(r is None or (r["type"] == "error" and r["code"] == "fatal") for r in replies), replies
         assert any(r is not None and "may speak as ['mallory'] only" in r["reason"] for r in replies), replies
     finally:
@@ -416,3 +495,45 @@ def test_heartbeats_go_on_while_a_contribution_waits_for_its_receipt() -> None:
     finally:
         link.leave()
         fake.close()
+
+
+def test_a_token_file_is_used_only_once_its_writer_is_gone(tmp_path: Path, caplog) -> None:
+    """Two live processes with one id on one host must not take the id from each other
+    through the file: a token whose writer still runs is not used; one whose writer
+    exited (a zombie not yet reaped counts as gone) or whose pid now names another
+    process is; a damaged file is ignored with a warning; a clean leave removes it."""
+    from rackmend.transport.tokens import TokenFile, _start_time
+
+    token = "ab" * wire.TOKEN_BYTES
+    tf = TokenFile(tmp_path, "tcp://127.0.0.1:1", "l0", 0)
+    assert tf.load() is None, "no file yet"
+    tf.save(token)
+    assert tf.path is not None and tf.path.stat().st_mode & 0o777 == 0o600
+    assert tf.load() == token, "written by this process: an earlier link of ours"
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        def written_by(pid: int, started: str | None) -> None:
+            tf.path.write_text(json.dumps({"token": token, "pid": pid, "started": started}))
+
+        written_by(child.pid, _start_time(child.pid))
+        assert tf.load() is None, "its writer still runs"
+        written_by(child.pid, "1")
+        assert tf.load() == token, "the pid names another process now"
+        written_by(child.pid, _start_time(child.pid))
+        child.kill()
+        wait_for(lambda: _start_time(child.pid) == "", 10, "the child to become a zombie")
+        assert tf.load() == token, "a zombie is gone"
+    finally:
+        child.kill()
+        child.wait(10)
+    assert tf.load() == token, "reaped"
+    other = TokenFile(tmp_path, "tcp://127.0.0.1:2", "l0", 0)
+    assert other.load() is None, "another syncer's endpoint: another file"
+
+    tf.path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="rackmend.link"):
+        assert tf.load() is None
+    assert "ignoring the resume token file" in caplog.text
+    tf.forget()
+    assert not tf.path.exists()

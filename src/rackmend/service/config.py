@@ -89,12 +89,15 @@ class ServiceConfig:
     pass, and the ``message_limit`` event names it too). Connections that have not
     joined are held to ``STRANGER_MAX_BYTES`` (or this, if smaller) either way."""
 
-    takeover_after: float = 5.0
+    takeover_after: float = 30.0
     """Seconds a learner rank must have been silent before a hello for its id and rank
-    from another connection takes its place. Sooner, the hello is refused (logged as
+    that lacks the rank's resume token takes its place (the token, given at join, takes
+    it back at once: the learner's own link, or its process restarted on the same host,
+    which keeps it in a file). Sooner, the hello is refused (logged as
     ``identity_refused``; the learner's link retries): a stranger cannot evict or
-    impersonate a live learner. A restarted learner process waits this long at most;
-    keep it above a few heartbeat periods of the learners (1 s by default)."""
+    impersonate a live learner, nor one paused for a few seconds (a GC, a checkpoint
+    write). A learner restarted where its token file is not (another host) waits this
+    long at most. Keep it well above the learners' heartbeat period (1 s by default)."""
 
     log_path: str | None = field(default=None, metadata={OPTION: "log"})
     """JSONL file of every event (merges, joins, rejections); unset (None): not written."""
@@ -170,7 +173,7 @@ class ServiceConfig:
             raise ConfigError(f"max_message_bytes must be > 0 (or None: follow the model), got "
                               f"{self.max_message_bytes}; --max-message-mb takes MiB")
         if not self.takeover_after > 0:
-            raise ConfigError(f"takeover_after must be > 0 seconds, got {self.takeover_after}; the default is 5 "
+            raise ConfigError(f"takeover_after must be > 0 seconds, got {self.takeover_after}; the default is 30 "
                               "(--takeover-after)")
         if self.heartbeat_timeout <= 0:
             raise ConfigError(f"heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout}")

@@ -326,7 +326,7 @@ class Gated(ServiceEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class TakenOver(ServiceEvent):
-    """A hello from a new connection took a learner rank over from a silent one."""
+    """A hello from a new connection took a learner rank over from another one."""
 
     event: ClassVar[str] = "takeover"
     level: ClassVar[int] = logging.WARNING
@@ -340,6 +340,9 @@ class TakenOver(ServiceEvent):
     """The connection that held it, hex."""
     silent_s: float
     """How long that one had been silent."""
+    token: bool = False
+    """The new connection presented the rank's resume token (its own learner, restarted or
+    reconnected); else the silence had passed ``takeover_after``."""
 
 
 @dataclass(frozen=True, kw_only=True)

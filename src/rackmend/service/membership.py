@@ -3,7 +3,8 @@
 - ``Peer``: a connection that said hello and was admitted: its learner id, rank and the
   pieces it owns of each fragment.
 - ``Membership``: the peers, and every check a hello passes before its rank joins: one
-  holder per learner rank (``holder``, ``may_take`` for takeovers after silence), one
+  holder per learner rank (``holder``, ``may_take``: the rank's resume token at once,
+  anyone else only after ``takeover_after`` of silence, ``reserved`` past a silent drop), one
   rank per connection and one world size per learner (``admit``), settings and layout
   that fit the run (``settings_agree``), the gate that holds a sharded learner's hellos
   until its ranks cover every tensor (``through_gate``); with Curve, whether a key may
@@ -18,8 +19,10 @@ allows is read by ``rackmend.service.identity``.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -75,6 +78,17 @@ def _rank_pieces(layout: list[FragmentSpec], hello: wire.Hello) -> RankPieces:
 
 
 @dataclass
+class Reservation:
+    """A learner rank's resume token, issued at its join: a hello that presents it takes
+    the rank back at once; any other waits for ``takeover_after`` of silence."""
+
+    token: str
+    last_seen: float
+    """When the rank was last heard, once its connection was dropped as silent (while a
+    connection holds the rank, that connection's ``last_seen`` counts)."""
+
+
+@dataclass
 class _Gated:
     """A hello of a sharded learner's rank, held until every rank of it has said hello."""
 
@@ -109,6 +123,9 @@ class Membership:
         """Per sharded learner, hellos of ranks held until all its ranks have said hello."""
         self.learner_pieces: dict[str, dict[int, RankPieces]] = {}
         """Per sharded learner admitted, what each rank owns (kept while ranks come and go)."""
+        self.reserved: dict[tuple[str, int], Reservation] = {}
+        """Per learner rank that joined and has not left: its resume token, kept past a
+        silent drop until ``takeover_after`` of silence."""
         self._uplink_noted: set[str] = set()
 
     def pieces(self, hello: wire.Hello) -> RankPieces:
@@ -152,7 +169,9 @@ class Membership:
         its rank is free or silent (``may_take``), this connection speaks for no other rank,
         its world size is its learner's, and its settings fit (``settings_agree``, given
         the learner that set the run, the model's layout and ZeroMQ's cap, where known)."""
-        if not self.may_take(ident, msg.header["learner"], msg.header["rank"]):
+        token = msg.header.get("token")
+        token = token if isinstance(token, str) and len(token) <= wire.MAX_TOKEN_CHARS else None
+        if not self.may_take(ident, msg.header["learner"], msg.header["rank"], token):
             return None  # before parsing: a storm of hellos costs a dictionary scan each
         held = self.peers.get(ident)
         if held is not None and (held.learner_id, held.rank) != (msg.header["learner"], msg.header["rank"]):
@@ -175,17 +194,23 @@ class Membership:
             return None
         return hello
 
-    def may_take(self, ident: bytes, lid: str, rank: int) -> bool:
-        """Whether a hello from ``ident`` may claim ``lid``'s rank ``rank``: nobody else
-        holds it, or its holder has been silent for ``takeover_after``."""
+    def may_take(self, ident: bytes, lid: str, rank: int, token: str | None) -> bool:
+        """Whether a hello from ``ident`` may claim ``lid``'s rank ``rank``: it presents the
+        rank's resume token, or nobody else holds the rank and no token reserves it, or
+        the rank has been silent for ``takeover_after``."""
+        held = self.reserved.get((lid, rank))
+        if held is not None and token is not None and hmac.compare_digest(held.token, token):
+            return True  # the learner itself: its connection or process was replaced
         holder = self.holder(ident, lid, rank)
-        if holder is None:
+        peer = self.peers.get(ident)
+        if holder is None and (held is None or (peer is not None and (peer.learner_id, peer.rank) == (lid, rank))):
             return True
-        silent = self.clock() - holder[1].last_seen
+        silent = self.clock() - (holder[1].last_seen if holder is not None else held.last_seen)  # type: ignore[union-attr]
         if silent >= self.service.takeover_after:
             return True
-        reason = (f"learner {lid} rank {rank} is live on another connection (heard {silent:.1f}s ago); a new "
-                  f"connection takes it over only after {self.service.takeover_after:g}s of silence "
+        where = "live on another connection" if holder is not None else "reserved for the process that held it"
+        reason = (f"learner {lid} rank {rank} is {where} (heard {silent:.1f}s ago); a hello without its resume "
+                  f"token takes it over only after {self.service.takeover_after:g}s of silence "
                   "(--takeover-after). Two learners with one id? Give each its own --id")
         self._refuse(ident, IdentityRefused, "busy", reason, learner=lid, rank=rank, type="hello")
         return False
@@ -316,29 +341,49 @@ class Membership:
             if not gate:
                 del self.gate[lid]
 
-    def take_over(self, ident: bytes, lid: str, rank: int) -> None:
-        """Drop another connection that holds ``lid``'s rank ``rank``: it was silent for
-        ``takeover_after`` (``may_take`` checked), and the rank came back on ``ident``."""
+    def take_over(self, ident: bytes, lid: str, rank: int, token: str | None) -> None:
+        """Drop another connection that holds ``lid``'s rank ``rank``: the hello on ``ident``
+        presented the rank's resume token, or the holder was silent for ``takeover_after``
+        (``may_take`` checked)."""
         holder = self.holder(ident, lid, rank)
         if holder is not None:
             del self.peers[holder[0]]
+            held = self.reserved.get((lid, rank))
             self._event(TakenOver, learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
-                        silent_s=round(self.clock() - holder[1].last_seen, 3))
+                        silent_s=round(self.clock() - holder[1].last_seen, 3),
+                        token=held is not None and token is not None and hmac.compare_digest(held.token, token))
 
-    def join(self, ident: bytes, hello: wire.Hello, fragments: list[FragmentSpec]) -> Peer:
+    def join(self, ident: bytes, hello: wire.Hello, fragments: list[FragmentSpec]) -> tuple[Peer, str]:
         """``ident`` becomes a peer: the rank of ``hello``, owning its pieces of ``fragments``
-        (this shard's)."""
+        (this shard's). Returns it and the rank's resume token: the one it presented, where
+        that is the rank's, else a new one (whoever held the rank before loses it)."""
         pieces = self.pieces(hello)
         cuts = [None if not ps or is_whole(f, ps) else ps for f, ps in zip(fragments, pieces)]
         self.peers[ident] = peer = Peer(hello.learner_id, hello.rank, hello.world, self.clock(), pieces, cuts)
-        return peer
+        key = (hello.learner_id, hello.rank)
+        held = self.reserved.get(key)
+        if held is None or hello.token is None or not hmac.compare_digest(held.token, hello.token):
+            held = self.reserved[key] = Reservation(secrets.token_hex(wire.TOKEN_BYTES), self.clock())
+        return peer, held.token
+
+    def release(self, lid: str, rank: int) -> None:
+        """A rank that left cleanly: its id is free for anyone at once."""
+        self.reserved.pop((lid, rank), None)
 
     def drop_silent(self, now: float, gone: Callable[[str], None]) -> None:
         """Drop the ranks silent for ``heartbeat_timeout`` (each logged ``silent``);
-        ``gone(learner)`` when one was its learner's last rank."""
+        ``gone(learner)`` when one was its learner's last rank. Forget the resume tokens
+        of ranks silent for ``takeover_after`` with no connection holding them."""
+        held_now = {(p.learner_id, p.rank) for p in self.peers.values()}
+        for key in [k for k, r in self.reserved.items()
+                    if k not in held_now and now - r.last_seen >= self.service.takeover_after]:
+            del self.reserved[key]
         for ident, peer in list(self.peers.items()):
             if now - peer.last_seen > self.service.heartbeat_timeout:
                 del self.peers[ident]
+                held = self.reserved.get((peer.learner_id, peer.rank))
+                if held is not None:
+                    held.last_seen = peer.last_seen
                 self._event(Silent, learner=peer.learner_id, rank=peer.rank,
                             seconds=round(now - peer.last_seen, 3))
                 if not self.ranks_of(peer.learner_id):

@@ -373,6 +373,7 @@ class SyncerService:
             return
         if msg.type == "leave":
             del self.peers[ident]
+            self.members.release(lid, rank)
             self._send(ident, wire.encode({"type": "bye"}))  # lets the learner exit knowing it was heard
             if not self.members.ranks_of(lid):
                 self.tracker.stats[lid].state = "left"
@@ -447,8 +448,9 @@ class SyncerService:
             return
         if self._first is None:  # resumed from a checkpoint that predates recorded settings
             self._first = (lid, hello.settings)
-        self.members.take_over(ident, lid, rank)  # a holder silent for takeover_after (admit checked)
-        self.members.join(ident, hello, self.core.fragments)
+        self.members.take_over(ident, lid, rank, hello.token)  # its token, or a holder silent for takeover_after (admit checked)
+        _, token = self.members.join(ident, hello, self.core.fragments)
+        self._send(ident, wire.welcome_frames(lid, rank, token))
         stats.state = "connected"
         self.metrics.joined(lid)
         if ident in self._outboxes:

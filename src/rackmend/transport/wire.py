@@ -52,6 +52,10 @@ __all__ = [
     "hello_frames",
     "Hello",
     "parse_hello",
+    "welcome_frames",
+    "parse_welcome",
+    "TOKEN_BYTES",
+    "MAX_TOKEN_CHARS",
     "ack_frames",
     "parse_ack",
     "fetch_frames",
@@ -85,7 +89,9 @@ contributions (a resumed syncer reissues version numbers; a version-3 learner wo
 apply a reissued version as if it were the one it held), and the learner's ``apply``
 rule to the hello's settings (the grace window depends on it). 5 added ``pieces`` (sharded
 racks: a rank's blocks of each tensor) to hellos, contributions, inits and updates; a
-version-4 syncer would read a rank's pieces as whole tensors."""
+version-4 syncer would read a rank's pieces as whole tensors. Resume tokens (``welcome``,
+a hello's ``token``) came within 5: a peer without them only loses the token's at-once
+takeover, so the version stayed."""
 CODEC_NONE = 0
 """Codec id of uncompressed tensors; compression codecs use their ``Codec.codec_id``."""
 MAX_HEADER_BYTES = 1 << 20
@@ -99,12 +105,17 @@ APPLIED_RULES = tuple(r for r in APPLY_RULES if r != "auto")
 """What a learner reports as its apply rule (``auto`` is resolved before)."""
 MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
+TOKEN_BYTES = 16
+"""A learner rank's resume token: this many random bytes, sent as hex (``welcome``)."""
+MAX_TOKEN_CHARS = 2 * TOKEN_BYTES
+_TOKEN = re.compile(r"[0-9a-f]{%d}" % MAX_TOKEN_CHARS)
 LEARNER_TYPES = ("hello", "init", "contrib", "heartbeat", "leave", "fetch", "ack", "moments")
 """What a learner sends (``moments``: DES-LOC's optimizer moments, sent only in a run
 whose learners said hello with ``desloc``, so peers that predate it never see one)."""
-SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack", "fail_slow", "moments_update")
+SYNCER_TYPES = ("update", "init_request", "error", "bye", "ack", "fail_slow", "moments_update", "welcome")
 """What a learner accepts from the syncer (``fail_slow``: advice about its own speed;
-``moments_update``: DES-LOC's averaged moments)."""
+``moments_update``: DES-LOC's averaged moments; ``welcome``: the rank's resume token,
+at its join)."""
 CLIENT_TYPES = ("status",)
 """Read-only requests of a client that is not a learner (``rackmend status``): no
 learner id, no rank, never a member of a round."""
@@ -303,16 +314,40 @@ def parse_fail_slow(msg: Message, learner_id: str | None = None) -> FailSlowRepo
 
 def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
                  settings: LearnerSettings, pieces: RankPieces | None = None,
-                 shard: Shard | None = None) -> list[Any]:
+                 shard: Shard | None = None, token: str | None = None) -> list[Any]:
     """Announce a learner rank: its layout, the settings the syncer checks and, for a
     rank of a sharded rack, the pieces it owns (None: whole fragments p = rank mod world).
     ``shard``: the syncer shard this hello is meant for (sent only to a sharded syncer,
-    which refuses a hello meant for another shard: endpoints given in the wrong order)."""
+    which refuses a hello meant for another shard: endpoints given in the wrong order).
+    ``token``: the rank's resume token from an earlier ``welcome`` of this syncer."""
     return encode({"type": "hello", "learner": learner_id, "rank": rank, "world": world,
                    "layout": layout_to_wire(fragments), "fingerprint": fingerprint(fragments),
                    "settings": settings.to_wire(),
                    **({} if pieces is None else {"pieces": [pieces_to_wire(ps) for ps in pieces]}),
-                   **({} if shard is None or shard.whole else {"shard": [shard.index, shard.count]})})
+                   **({} if shard is None or shard.whole else {"shard": [shard.index, shard.count]}),
+                   **({} if token is None else {"token": token})})
+
+
+def welcome_frames(learner_id: str, rank: int, token: str) -> list[Any]:
+    """The syncer's answer to an admitted hello, before the fragments' values: the rank's
+    resume token, which a later hello of this rank presents to take it back at once."""
+    return encode({"type": "welcome", "learner": learner_id, "rank": rank, "token": token})
+
+
+def parse_welcome(msg: Message, learner_id: str | None, rank: int) -> str:
+    """The token of a checked ``welcome`` addressed to ``learner_id``'s rank ``rank``."""
+    h = msg.header
+    if _field(h, "learner", str) != learner_id or _field(h, "rank", int, minimum=0) != rank:
+        raise WireError(f"welcome names learner {str(h['learner'])[:40]!r} rank {h['rank']}, this is "
+                        f"{learner_id!r} rank {rank}")
+    return _token(h)
+
+
+def _token(h: dict[str, Any]) -> str:
+    token = _field(h, "token", str)
+    if not _TOKEN.fullmatch(token):
+        raise WireError(f"{h.get('type')}: token must be {MAX_TOKEN_CHARS} lowercase hex characters")
+    return token
 
 
 def init_frames(learner_id: str, rank: int, fragment: int, tensors: Sequence[torch.Tensor],
@@ -407,6 +442,8 @@ class Hello:
     shard: Shard = Shard()
     """The syncer shard the learner meant this hello for (``0/1`` when it names none: a
     learner that talks to one syncer for the whole model)."""
+    token: str | None = None
+    """The resume token it presents (from an earlier ``welcome``); None: none."""
 
 
 def _codec_setting(raw: dict[str, Any], name: str) -> str:
@@ -485,7 +522,8 @@ def parse_hello(msg: Message) -> Hello:
                 or not 0 <= raw_shard[0] < raw_shard[1] <= MAX_SHARDS:
             raise WireError(f"hello: shard must be [s, S] with 0 <= s < S <= {MAX_SHARDS}, got {str(raw_shard)[:40]}")
         shard = Shard(*raw_shard)
-    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces, shard)
+    token = _token(h) if "token" in h else None
+    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces, shard, token)
 
 
 def message_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int) -> tuple[Piece, ...] | None:

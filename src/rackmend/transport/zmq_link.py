@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +45,7 @@ from rackmend.core.shards import Shard
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
 from rackmend.transport.outbox import SHORT_HWM, Outbox
+from rackmend.transport.tokens import TokenFile, default_token_dir
 
 __all__ = ["ZmqLink", "CurveClientKeys"]
 
@@ -106,6 +108,7 @@ class ZmqLink(QueueLink):
         leave_timeout_s: float = 3.0,
         join_progress_s: float = 5.0,
         shard: Shard = Shard(),
+        token_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(lambda: self._error)
         if "," in endpoint:
@@ -161,6 +164,13 @@ class ZmqLink(QueueLink):
         """Per fragment, this rank's owned values at join: what seeds a fresh syncer until a
         merged value of the fragment arrives (``_global``), when it is dropped."""
         self._hello: list[Any] = []
+        self._hello_args: tuple[Any, ...] = ()
+        self._token_dir = Path(token_dir) if token_dir is not None else default_token_dir()
+        """Where this rank's resume token is kept for a restarted process (``rackmend.transport.tokens``)."""
+        self._token_file: TokenFile | None = None
+        self._token: str | None = None
+        """I/O thread, once joining: the resume token the syncer gave this rank, or one a
+        process gone before left; the hello presents it."""
         self._thread: threading.Thread | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -213,8 +223,10 @@ class ZmqLink(QueueLink):
         self._initial = [[initial[f.index][pc.tensor].detach().cpu().clone() for pc in ps]
                          for f, ps in zip(fragments, self._owned)] if pieces is not None else \
             [[t.detach().cpu().clone() for t in ts] if self.shard.owns(p) else [] for p, ts in enumerate(initial)]
-        self._hello = wire.hello_frames(learner_id, self.rank, self.world_size, fragments, settings, pieces,
-                                        shard=self.shard)
+        self._token_file = TokenFile(self._token_dir, self.endpoint, learner_id, self.rank)
+        self._token = self._token_file.load()
+        self._hello_args = (learner_id, self.rank, self.world_size, fragments, settings, pieces, self.shard)
+        self._hello = wire.hello_frames(*self._hello_args, token=self._token)
         self._thread = threading.Thread(target=self._run, name=f"rackmend-link-{learner_id}", daemon=True)
         self._thread.start()
         got: dict[int, Update] = {}
@@ -290,7 +302,8 @@ class ZmqLink(QueueLink):
             self._leaving = True
             self._pipe_out.send_multipart([b"L", *wire.encode({"type": "leave", "learner": self.learner_id,
                                                                 "rank": self.rank})])
-            self._bye.wait(self.leave_timeout_s)
+            if self._bye.wait(self.leave_timeout_s) and self._token_file is not None:
+                self._token_file.forget()  # the syncer freed the id: nothing to resume
             self._pipe_out.send_multipart([b"STOP"])
             self._thread.join(5.0)
         self._pipe_out.close(linger=0)
@@ -421,6 +434,13 @@ class ZmqLink(QueueLink):
                     if values:
                         self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values,
                                                             self._wire_pieces[p]))
+            elif msg.type == "welcome":
+                token = wire.parse_welcome(msg, self.learner_id, self.rank)
+                if token != self._token:
+                    self._token = token
+                    self._hello = wire.hello_frames(*self._hello_args, token=token)
+                    assert self._token_file is not None
+                    self._token_file.save(token)
             elif msg.type == "bye":
                 self._bye.set()
             elif msg.type == "fail_slow":
