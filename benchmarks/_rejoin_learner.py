@@ -1,8 +1,8 @@
 """One learner of ``benchmarks/rejoin.py``: the demo GPT trained with ``RackmendOptimizer``
 over a ``ZmqLink`` (or, ``--plain``, with the inner optimizer alone), which notes when
 each phase of its start ended, so the benchmark can tell a restart's time apart:
-interpreter and imports, the optimizer built (the join: hello, the global values),
-the first step. Not a test helper: the benchmark starts, kills and restarts it.
+interpreter and imports, the model built, the optimizer built (the join: hello, the
+global values), the first step. Not a test helper: the benchmark starts, kills and restarts it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> int:
     torch.set_num_threads(1)
     model = GPT(GPTConfig())
     inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    modelled = time.time()
     opt = None
     if not a.plain:
         config = RackmendConfig(schedule=ScheduleConfig(sync_every=a.H, num_fragments=a.P, overlap=a.tau))
@@ -46,7 +47,7 @@ def main() -> int:
     built = time.time()
     corpus = ByteCorpus()
     g = torch.Generator().manual_seed(hash(a.id) % 2**31)
-    times = {"started": STARTED, "imported": IMPORTED, "built": built}
+    times = {"started": STARTED, "imported": IMPORTED, "model": modelled, "built": built}
     for step in range(1, a.steps + 1):
         x, y = corpus.batch(g, 8, 64)
         loss = model(x, y)

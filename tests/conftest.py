@@ -30,9 +30,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def procs(tmp_path: Path):
-    """Start processes through it; every one still running is killed at teardown."""
+def procs(tmp_path: Path, request: pytest.FixtureRequest):
+    """Start processes through it; every one still running is killed at teardown. When
+    the test failed, the syncers still running first write every thread's stack (their
+    SIGUSR1), and the end of each process's output is printed (pytest shows it)."""
     pr = Procs(tmp_path)
     yield pr
+    if request.node.stash.get(_FAILED, False):
+        pr.report()
     pr.kill_all()

@@ -39,12 +39,15 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.started: list[subprocess.Popen] = []
+        self.names: dict[str, subprocess.Popen] = {}
+        """The latest process started under each output name."""
 
     def start(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.out", "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.started.append(proc)
+        self.names[name] = proc
         return proc
 
     def syncer(self, *flags: str, name: str = "syncer",
@@ -62,6 +65,21 @@ class Procs:
 
     def output(self, name: str) -> str:
         return (self.tmp / f"{name}.out").read_text(errors="replace")
+
+    def report(self) -> None:
+        """For a failed test: stacks of the syncers still running, then the end of
+        every process's output, on stdout."""
+        names = {id(p): n for n, p in self.names.items()}  # a name restarted: its file holds every run
+        running = [p for p in self.started if p.poll() is None and p.args[:len(SYNCER)] == SYNCER]
+        for p in running:
+            p.send_signal(signal.SIGUSR1)
+        if running:
+            time.sleep(1.0)
+        for p in self.started:
+            name = names.get(id(p))
+            if name is not None:
+                print(f"---- {name} (pid {p.pid}, {'running' if p.poll() is None else f'exit {p.returncode}'}), "
+                      f"end of its output ----\n{self.output(name)[-6000:]}")
 
     def kill_all(self) -> None:
         """Kill every process started here that still runs, and what it started: torchrun's

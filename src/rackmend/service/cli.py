@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import faulthandler
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import tomllib
 import types
@@ -45,14 +47,15 @@ from rackmend.config import (
     literal_choices,
 )
 from rackmend.service.config import ServiceConfig
+from rackmend.transport.tokens import TOKEN_DIR_ENV
 
 __all__ = ["OPTIONS", "Option", "add_syncer_arguments", "resolve", "build", "config_flags", "options_markdown",
            "syncer_main", "add_keygen_arguments", "keygen_main"]
 
 ENV_PREFIX = "RACKMEND_"
 
-LEARNER_ENV = ("RACKMEND_LEARNER_ID", "RACKMEND_CONNECT")
-"""``RACKMEND_*`` names read on the learner side (``RackmendOptimizer``, ``ZmqLink.from_env``):
+LEARNER_ENV = ("RACKMEND_LEARNER_ID", "RACKMEND_CONNECT", TOKEN_DIR_ENV)
+"""``RACKMEND_*`` names read on the learner side (``RackmendOptimizer``, ``ZmqLink``):
 valid in a shared environment, so the syncer does not warn about them."""
 
 SECTIONS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
@@ -402,6 +405,9 @@ def syncer_main(args: argparse.Namespace) -> int:
         print(f"rackmend syncer: {exc}", file=sys.stderr)
         return 2
     print(f"rackmend syncer listening on {svc.endpoint}", flush=True)
+    if hasattr(signal, "SIGUSR1"):
+        # `kill -USR1 PID`: every thread's stack on stderr, for a syncer that seems stuck.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if svc.metrics_url:
         print(f"rackmend syncer metrics on {svc.metrics_url}", flush=True)
     svc.serve()

@@ -263,6 +263,8 @@ class ZmqLink(QueueLink):
 
     def _join_state(self, got: dict[int, Update], owned: int) -> str:
         """What a waiting join has heard so far, for a person reading the log."""
+        if self._busy is not None:
+            return f"the syncer refuses its hello as busy (retrying): {self._busy}"
         if self._init_requested:
             return (f"sent the initial values as the first learner; {len(got)} of {owned} fragments "
                     "came back so far")
