@@ -177,6 +177,35 @@ def test_data_parallel_goodput_closed_forms() -> None:
     assert one.useful + one.lost + one.down == pytest.approx(2 * day)
 
 
+def test_failures_during_a_reshape_are_absorbed_or_restart_it() -> None:
+    """Many failures, reshapes overlapping: absorbed (the default), the job trains between
+    events that each start a pause, goodput ~ 1 / (1 + rate x (downscale + upscale)) (each
+    failure comes back as a repair); restarted by each event, pauses chain and goodput
+    falls toward exp(-rate x (downscale + upscale)). The same holds for a decoupled
+    learner's reshapes (the engine), which the fit of docs/simulate.md chose with it."""
+    n, hours = 2_400_000, 6 * 3600.0
+    rate, pauses = n / YEAR, 10.0
+
+    def mean(overlap: str) -> float:
+        f = Failures(chips=n, failure_mode="elastic", downscale_time=5.0, upscale_time=5.0, repair_time=600.0,
+                     reshape_overlap=overlap)  # type: ignore[arg-type]
+        return sum(simulate_data_parallel(f, duration=hours, seed=s, step_time=0.01).goodput for s in range(3)) / 3
+
+    absorb, restart = mean("absorb"), mean("restart")
+    assert absorb == pytest.approx(1 / (1 + rate * pauses), abs=0.02), absorb
+    assert restart == pytest.approx(math.exp(-rate * pauses), abs=0.03), restart
+    assert absorb > restart + 0.08
+
+    def learner(overlap: str) -> float:
+        f = Failures(chips=8, mtbi_hours=40.0 / 3600, failure_mode="elastic", downscale_time=6.0, upscale_time=6.0,
+                     repair_time=30.0, reshape_overlap=overlap)  # type: ignore[arg-type]
+        g = simulate(SimConfig(run=run(), racks=(RackSpec(), RackSpec()), duration=900.0, failures=f, seed=3)).goodput
+        assert g is not None
+        return g.paused
+
+    assert learner("absorb") < 0.9 * learner("restart")
+
+
 def test_decoupled_beats_data_parallel_at_the_same_failures() -> None:
     f = Failures(chips=1_200_000, failure_mode="restart")
     dp = simulate_data_parallel(f, duration=1800.0, seed=0)

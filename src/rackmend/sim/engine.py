@@ -710,14 +710,16 @@ class Simulation:
             lr.paused_until = self.now
         self._set_state(lr, _PAUSED if was == _TRAIN else was)  # closes the interval at the old chip count
         lr.active = active
-        if was in (_TRAIN, _PAUSED):
+        if was == _PAUSED and lr.paused_until > self.now and self.config.failures.reshape_overlap == "absorb":
+            pass  # the reshape under way takes the new chip count in and ends as planned
+        elif was in (_TRAIN, _PAUSED):
             self._extend_pause(lr, seconds)
         else:
             lr.pause_debt += seconds  # joining or waiting: served when it would train again
 
     def _extend_pause(self, lr: _Learner, seconds: float) -> None:
-        # A reshape under way takes in a further failure or repair: it ends ``seconds``
-        # after the latest one, not after each in turn.
+        # A pause that starts now, or (``reshape_overlap="restart"``) a reshape under way
+        # that starts over: it ends ``seconds`` after the latest event, not after each in turn.
         lr.paused_until = max(lr.paused_until, self.now + seconds)
         lr.gen += 1
         self._push(lr.paused_until, _RESUME, (lr.index, lr.life, lr.gen))

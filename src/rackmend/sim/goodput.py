@@ -3,7 +3,8 @@
 A data-parallel job has no syncer and no learners to isolate a failure: every chip
 failure stops all N chips. Non-elastic (``failure_mode="restart"``), the job is down for
 ``restart_time``; elastic, it pauses ``downscale_time``, goes on without the failed
-chips and pauses ``upscale_time`` to take them back after ``repair_time``. The failure
+chips and pauses ``upscale_time`` to take them back after ``repair_time`` (a failure or
+repair during a reshape: ``Failures.reshape_overlap``). The failure
 process, the step lost to a failure and the accounting are the learners' of
 ``rackmend.sim.engine`` (``Goodput``), so the rows of the goodput table compare like
 with like. There is nothing of rackmend's algorithm to drive here, so this is a plain
@@ -55,9 +56,10 @@ def simulate_data_parallel(failures: Failures, *, duration: float, seed: int = 0
         if state == "train":
             acct["lost"] += ((t - step_start) % step_time) * active
             busy_until = t
+        absorbed = state == "paused" and busy_until > t and f.reshape_overlap == "absorb"
         state = how
-        # A reshape under way takes in a further failure or repair (ends ``seconds`` after it).
-        busy_until = max(busy_until, t + seconds)
+        if not absorbed:  # a reshape under way that starts over ends ``seconds`` after this
+            busy_until = max(busy_until, t + seconds)
 
     next_fail = rng.expovariate(active / f.mtbi_s)
     for _ in range(100_000_000):  # bounded: each pass consumes one failure, repair or resume
@@ -92,7 +94,10 @@ def simulate_data_parallel(failures: Failures, *, duration: float, seed: int = 0
                 heapq.heappush(repairs, now + f.repair_time)
                 state_before = state
                 state = "paused" if state_before == "train" else state
-                busy_until = max(busy_until if state_before != "train" else now, now + f.downscale_time)
+                if state_before == "train":
+                    busy_until = now + f.downscale_time
+                elif not (state_before == "paused" and busy_until > now and f.reshape_overlap == "absorb"):
+                    busy_until = max(busy_until, now + f.downscale_time)
         next_fail = now + (rng.expovariate(active / f.mtbi_s) if active > 0 else float("inf"))
     else:
         raise RuntimeError("data-parallel simulation did not end; duration too long for its event bound")
