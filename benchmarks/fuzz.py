@@ -96,6 +96,9 @@ HELLO_MUTATIONS: list[tuple[tuple[str, Any], ...]] = [
     # pieces: junk, out of bounds, not this layout's
     (("pieces", "x"),), (("pieces", [[[0, [0], [2**62]]]]),), (("pieces", [[[99, [0, 0], [1, 1]]], []]),),
     (("pieces", [[[0, [0, 0], [1, 1]]]]),), (("pieces", [[[0, [0] * 9, [1] * 9]], []]),),
+    # the resume token: not 32 lowercase hex characters (a well-formed unknown one is ignored, not refused)
+    (("token", 5),), (("token", None),), (("token", "g" * 32),), (("token", "0" * 31),), (("token", "A" * 32),),
+    (("token", "0" * 10_000),),
 ]
 """Mutations of a valid hello, one or more (path, value) pairs each (a path walks maps
 by key and lists by index; a layout edited to a well-formed one gets its matching

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from procs import Procs
+from procs import TIME_SCALE, Procs
 from rackmend.transport.tokens import TOKEN_DIR_ENV
 
 
@@ -28,6 +28,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-timeout's per-test bound (pyproject's, unless --timeout says) moves with the
+    # tests' own waits (procs.TIME_SCALE); it reads the option in its own pytest_configure.
+    if TIME_SCALE != 1 and getattr(config.option, "timeout", None) is None and config.getini("timeout"):
+        config.option.timeout = float(config.getini("timeout")) * TIME_SCALE
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "procs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.processes)
+        bound = item.get_closest_marker("timeout")
+        if bound is not None and bound.args and TIME_SCALE != 1:  # a test's own bound moves too
+            item.add_marker(pytest.mark.timeout(float(bound.args[0]) * TIME_SCALE), append=False)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -16,6 +16,26 @@ from typing import Callable, Iterable
 from rackmend.core.records import SyncerRecord
 from rackmend.service.events import read_event
 
+TIME_SCALE_ENV = "RACKMEND_TEST_TIME_SCALE"
+
+
+def _time_scale() -> float:
+    raw = os.environ.get(TIME_SCALE_ENV, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not 1 <= scale <= 100:
+        raise ValueError(f"{TIME_SCALE_ENV}={raw!r}: give a number from 1 to 100, the factor every bounded wait "
+                         "of the tests is multiplied by on a loaded host (default 1)")
+    return scale
+
+
+TIME_SCALE = _time_scale()
+"""Every bounded wait here (and pytest-timeout's per-test limit, conftest.py) is
+multiplied by this: ``RACKMEND_TEST_TIME_SCALE=3 make test`` on a host where other jobs
+take the cores. Only the bounds move: a test that passes waits as long as it needs."""
+
 HERE = Path(__file__).parent
 LEARNER = [sys.executable, str(HERE / "_learner_proc.py")]
 SYNCER = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
@@ -23,6 +43,7 @@ SYNCER = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str,
              alive: tuple[subprocess.Popen, ...] = ()) -> None:
+    timeout *= TIME_SCALE
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         dead = [p.args[-1] for p in alive if p.poll() is not None]
@@ -165,6 +186,7 @@ def progress(path: Path) -> tuple[int, list[int]]:
 
 
 def finish(proc: subprocess.Popen, procs: Procs, name: str, timeout: float = 60) -> None:
+    timeout *= TIME_SCALE
     try:
         rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:

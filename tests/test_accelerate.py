@@ -12,6 +12,8 @@ pytest.importorskip("transformers")
 
 from rackmend import ConfigError, InProcessSyncer, RackmendConfig, RackmendOptimizer, ScheduleConfig  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a third-party trainer stack (pyproject.toml markers)
+
 
 def _config() -> RackmendConfig:
     return RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=1))

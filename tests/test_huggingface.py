@@ -16,6 +16,8 @@ from trainer_racks import IDS, STEPS, STOP, StopResume, expected_tokens  # noqa:
 from rackmend.core.records import Merged, Rejected, TokenUnits  # noqa: E402
 from rackmend.service.events import BadMessage  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a third-party trainer stack (pyproject.toml markers)
+
 TRAINER = [sys.executable, str(HERE / "_trainer_proc.py")]
 ACCELERATE = str(HERE / "_accelerate_proc.py")
 TOKENS_PER_STEP = 4 * 16  # the helper's batch x sequence length

@@ -24,6 +24,8 @@ from rackmend.core.records import Incomplete, Left, Merged, Rejected  # noqa: E4
 from rackmend.service.events import BadMessage  # noqa: E402
 from rackstate import assert_held_equal_syncer  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a third-party trainer stack (pyproject.toml markers)
+
 PROC = str(HERE / "_lightning_proc.py")
 EXAMPLE = HERE.parent / "examples" / "lightning_rack.py"
 H, P, TAU = 4, 2, 1  # the helper's schedule

@@ -26,6 +26,8 @@ from rackmend.core.records import Joined, Left, Merged, Rejected  # noqa: E402
 from rackmend.service.events import BadMessage  # noqa: E402
 from rackstate import assert_held_equal_syncer  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a third-party trainer stack (pyproject.toml markers)
+
 PROC = str(HERE / "_titan_proc.py")
 EXAMPLE = HERE.parent / "examples" / "torchtitan_rack.py"
 H, P, TAU, STEPS, CKPT = 4, 2, 1, 12, 7
