@@ -161,7 +161,7 @@ SERVICE_LINES = {
     "settings_refused": "peer learner rank setting learner_value syncer_value reason",
     "uplink_codec_differs": "learner learner_codec syncer_codec",
     "gate": "learner rank ranks world waiting_for reason",
-    "takeover": "learner rank peer previous silent_s",
+    "takeover": "learner rank peer previous silent_s token",
     "silent": "learner rank seconds",
     "send_dropped": "peer reason",
     "suppressed": "of count window_s peer learner",

@@ -198,9 +198,9 @@ class Membership:
         """Whether a hello from ``ident`` may claim ``lid``'s rank ``rank``: it presents the
         rank's resume token, or nobody else holds the rank and no token reserves it, or
         the rank has been silent for ``takeover_after``."""
-        held = self.reserved.get((lid, rank))
-        if held is not None and token is not None and hmac.compare_digest(held.token, token):
+        if self.presents_token(lid, rank, token):
             return True  # the learner itself: its connection or process was replaced
+        held = self.reserved.get((lid, rank))
         holder = self.holder(ident, lid, rank)
         peer = self.peers.get(ident)
         if holder is None and (held is None or (peer is not None and (peer.learner_id, peer.rank) == (lid, rank))):
@@ -348,10 +348,9 @@ class Membership:
         holder = self.holder(ident, lid, rank)
         if holder is not None:
             del self.peers[holder[0]]
-            held = self.reserved.get((lid, rank))
             self._event(TakenOver, learner=lid, rank=rank, peer=ident.hex(), previous=holder[0].hex(),
                         silent_s=round(self.clock() - holder[1].last_seen, 3),
-                        token=held is not None and token is not None and hmac.compare_digest(held.token, token))
+                        token=self.presents_token(lid, rank, token))
 
     def join(self, ident: bytes, hello: wire.Hello, fragments: list[FragmentSpec]) -> tuple[Peer, str]:
         """``ident`` becomes a peer: the rank of ``hello``, owning its pieces of ``fragments``
@@ -361,10 +360,14 @@ class Membership:
         cuts = [None if not ps or is_whole(f, ps) else ps for f, ps in zip(fragments, pieces)]
         self.peers[ident] = peer = Peer(hello.learner_id, hello.rank, hello.world, self.clock(), pieces, cuts)
         key = (hello.learner_id, hello.rank)
-        held = self.reserved.get(key)
-        if held is None or hello.token is None or not hmac.compare_digest(held.token, hello.token):
-            held = self.reserved[key] = Reservation(secrets.token_hex(wire.TOKEN_BYTES), self.clock())
-        return peer, held.token
+        if not self.presents_token(*key, hello.token):
+            self.reserved[key] = Reservation(secrets.token_hex(wire.TOKEN_BYTES), self.clock())
+        return peer, self.reserved[key].token
+
+    def presents_token(self, lid: str, rank: int, token: str | None) -> bool:
+        """Whether ``token`` is ``lid``'s rank ``rank``'s resume token (compared in constant time)."""
+        held = self.reserved.get((lid, rank))
+        return held is not None and token is not None and hmac.compare_digest(held.token, token)
 
     def release(self, lid: str, rank: int) -> None:
         """A rank that left cleanly: its id is free for anyone at once."""
