@@ -38,6 +38,7 @@ from rackmend.service.events import (
 from rackmend.core.messages import Contribution
 from rackmend.core.settings import LearnerSettings
 from rackmend.transport import wire
+from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import (Dealer, assert_files_equal_reference, batch, free_port, keygen, make_inner, make_model, serving,
@@ -297,7 +298,33 @@ def test_join_without_a_syncer_says_what_it_waits_for_and_fails_clearly(procs: P
     assert waiting, f"no progress line while joining:\n{out[-3000:]}"
     assert endpoint in waiting[0] and "l0" in waiting[0] and "5s" in waiting[0]
     assert "join_timeout" in out and "rackmend syncer" in out and endpoint in out
+    assert "connection: connection refused or unreachable, retrying" in waiting[0], waiting[0]
     assert time.monotonic() - t0 < 60
+
+
+def test_a_join_that_hears_nothing_says_what_the_connection_does() -> None:
+    """Nothing listens: the join's error says the connection is refused and retried. A
+    peer that accepts TCP but never speaks ZeroMQ: the connection is up at the TCP level
+    and its handshake is pending, which points at the port, not at the syncer's rules."""
+    frags = pack_fragments(make_model(), 2, 4)
+    initial = [[torch.zeros(t.shape) for t in f.tensors] for f in frags]
+    settings = LearnerSettings.from_config(RAW_CONFIG)
+
+    def join_error(endpoint: str) -> str:
+        link = ZmqLink(endpoint, rank=0, world_size=1)
+        try:
+            with pytest.raises(TransportError) as err:
+                link.join("l0", frags, initial, 2.0, settings=settings)
+            return str(err.value)
+        finally:
+            link.leave()
+
+    assert "connection refused or unreachable, retrying" in join_error(f"tcp://127.0.0.1:{_free_port()}")
+    with socket.socket() as mute:  # listens, accepts, never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        text = join_error(f"tcp://127.0.0.1:{mute.getsockname()[1]}")
+    assert "TCP connected, ZeroMQ handshake pending" in text, text
 
 
 def test_join_timeout_default_fits_a_person_at_a_terminal() -> None:

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, Update
@@ -60,6 +61,43 @@ _HELLO_BACKOFF_S = 3.0
 FETCH_RETRY_S = 2.0
 """Seconds after which an unanswered ``fetch`` is sent again (messages can be dropped
 while the syncer is unreachable)."""
+
+
+_MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+              | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class _Connection:
+    """The link's connection as its socket monitor reports it, in words."""
+
+    def __init__(self) -> None:
+        self.state = "not connected yet"
+        self.since = time.monotonic()
+        self.retries = 0
+        self.handshakes_failed = 0
+
+    def note(self, event: int, now: float) -> None:
+        if event == zmq.EVENT_CONNECT_RETRIED:
+            self.retries += 1
+            if self.state != "up":
+                self.state = "connection refused or unreachable, retrying"
+            return
+        if event & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            self.handshakes_failed += 1
+        self.state = {zmq.EVENT_CONNECTED: "TCP connected, ZeroMQ handshake pending",
+                      zmq.EVENT_HANDSHAKE_SUCCEEDED: "up",
+                      zmq.EVENT_DISCONNECTED: "disconnected, reconnecting",
+                      zmq.EVENT_CLOSED: "closed"}.get(event, "handshake failed (Curve keys or protocol)")
+        self.since = now
+
+    def describe(self, now: float) -> str:
+        extra = [f"{self.retries} connection attempt(s) retried"] if self.retries else []
+        if self.handshakes_failed:
+            extra.append(f"{self.handshakes_failed} handshake(s) failed")
+        return (f"connection: {self.state} for {now - self.since:.0f}s"
+                + (f" ({', '.join(extra)})" if extra else ""))
 
 
 def new_session() -> int:
@@ -172,6 +210,8 @@ class ZmqLink(QueueLink):
         """I/O thread, once joining: the resume token the syncer gave this rank, or one a
         process gone before left; the hello presents it."""
         self._thread: threading.Thread | None = None
+        self._connection = _Connection()
+        """The TCP/ZeroMQ connection's latest state, from the socket monitor (I/O thread)."""
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dropped_sends = 0
@@ -263,13 +303,13 @@ class ZmqLink(QueueLink):
 
     def _join_state(self, got: dict[int, Update], owned: int) -> str:
         """What a waiting join has heard so far, for a person reading the log."""
+        if self.bytes_received == 0 and not self._init_requested:
+            return f"nothing received yet; {self._connection.describe(time.monotonic())}"
         if self._busy is not None:
             return f"the syncer refuses its hello as busy (retrying): {self._busy}"
         if self._init_requested:
             return (f"sent the initial values as the first learner; {len(got)} of {owned} fragments "
                     "came back so far")
-        if self.bytes_received == 0:
-            return "nothing received yet"
         return (f"the syncer answers but sent {len(got)} of {owned} fragments (it may wait for the first "
                 "learner's initial values)")
 
@@ -297,7 +337,7 @@ class ZmqLink(QueueLink):
     def leave(self) -> None:
         if self._thread is None:
             return
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.bytes_received > 0:  # else the syncer never heard of us
             # Wait for the syncer's bye: closing at once can lose the leave (a socket closed
             # with unread updates in its receive buffer is reset, not flushed), and then
             # rounds would wait for this learner until its heartbeat timeout.
@@ -306,6 +346,7 @@ class ZmqLink(QueueLink):
                                                                 "rank": self.rank})])
             if self._bye.wait(self.leave_timeout_s) and self._token_file is not None:
                 self._token_file.forget()  # the syncer freed the id: nothing to resume
+        if self._thread.is_alive():
             self._pipe_out.send_multipart([b"STOP"])
             self._thread.join(5.0)
         self._pipe_out.close(linger=0)
@@ -317,6 +358,9 @@ class ZmqLink(QueueLink):
     def _run(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
         pipe = self._ctx.socket(zmq.PAIR)
+        # What the connection itself does (refused, retried, up, handshake failed): what a
+        # join that hears nothing tells the person waiting.
+        monitor = dealer.get_monitor_socket(_MONITORED)
         try:
             dealer.setsockopt(zmq.LINGER, 2000)
             dealer.setsockopt(zmq.SNDHWM, SHORT_HWM)
@@ -334,6 +378,7 @@ class ZmqLink(QueueLink):
             poller = zmq.Poller()
             poller.register(dealer, zmq.POLLIN)
             poller.register(pipe, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             self._send_hello(dealer)
             next_beat = time.monotonic() + self.heartbeat_s
             beat = wire.encode({"type": "heartbeat", "learner": self.learner_id, "rank": self.rank})
@@ -356,6 +401,8 @@ class ZmqLink(QueueLink):
                         self._outbox.add_last(msg[1:])
                     else:
                         self._outbox.add_control(msg[1:])
+                if ready.get(monitor, 0) & zmq.POLLIN:
+                    self._connection.note(recv_monitor_message(monitor)["event"], time.monotonic())
                 if ready.get(dealer, 0) & zmq.POLLIN:
                     self._receive(dealer, dealer.recv_multipart(copy=False))
                 self._flush(dealer)
@@ -375,6 +422,8 @@ class ZmqLink(QueueLink):
             log.exception("link I/O thread failed")
             self._error = exc
         finally:
+            dealer.disable_monitor()
+            monitor.close()
             dealer.close()
             pipe.close()
 
