@@ -53,7 +53,8 @@ def main() -> int:
         candidates += [(f"elastic, {overlap}", {"failure_mode": "elastic", "reshape_overlap": overlap,
                                                 "downscale_time": float(d), "upscale_time": float(u)})
                        for d, u in itertools.product(range(2, 29, step), range(0, 29, step))]
-    print(f"{len(candidates)} candidate settings x {len(CHIPS)} chip counts x {seeds} seed(s) of {hours:g} h", flush=True)
+    print(f"{len(candidates)} candidate settings x {len(CHIPS)} chip counts x {seeds} seed(s) of {hours:g} h",
+          flush=True)
     with ProcessPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(row, [kw for _, kw in candidates], itertools.repeat(hours), itertools.repeat(seeds),
                              chunksize=8))

@@ -95,11 +95,12 @@ def main() -> int:
         os.environ.update(env)  # the learners started below inherit it
         with running_syncer(work / "syncer", threads=1, flags=("--overlap", "1")) as endpoint:
             events = work / "syncer" / "events.jsonl"
-            procs = {lid: _start(endpoint, lid, work / f"{lid}.json", work / f"{lid}.out") for lid in ("l0", "l1", "l2")}
+            procs = {lid: _start(endpoint, lid, work / f"{lid}.json", work / f"{lid}.out")
+                     for lid in ("l0", "l1", "l2")}
             try:
                 # Past every learner's first sends (fragment p's after p·H/P steps) and a period more.
-                _wait("every learner to merge two periods", lambda: all(_merges_of(events, lid) >= 2 * P for lid in procs),
-                      list(procs.values()))
+                _wait("every learner to merge two periods",
+                      lambda: all(_merges_of(events, lid) >= 2 * P for lid in procs), list(procs.values()))
                 for n in range(2 * trials):
                     # The token trials first: a no-token restart takes the rank with a new token,
                     # which would leave the file's token stale for a token trial after it.
@@ -111,7 +112,8 @@ def main() -> int:
                     times = work / f"l2-{n}.json"
                     restarted = time.time()
                     # Side by side: the plain restart starts with the real one, on the same cores.
-                    plain = subprocess.Popen([*LEARNER, "--plain", "--steps", "1", "--times", str(work / f"plain{n}.json")],
+                    plain_times = work / f"plain{n}.json"
+                    plain = subprocess.Popen([*LEARNER, "--plain", "--steps", "1", "--times", str(plain_times)],
                                              stdout=subprocess.DEVNULL)
                     procs["l2"] = _start(endpoint, "l2", times, work / "l2.out",
                                          env={**env, "RACKMEND_TOKEN_DIR": ""} if kind == "no token" else None)
@@ -126,12 +128,12 @@ def main() -> int:
                     row = {"kind": kind, "imports_s": t["imported"] - restarted, "model_s": t["model"] - t["imported"],
                            "join_s": t["built"] - t["model"], "first_step_s": t["first_step"] - restarted,
                            "own_work_merged_s": merged,
-                           "plain_first_step_s": json.loads((work / f"plain{n}.json").read_text())["first_step"] - restarted,
+                           "plain_first_step_s": json.loads(plain_times.read_text())["first_step"] - restarted,
                            "takeover": {k: take.get(k) for k in ("token", "silent_s")}}
                     rows.append(row)
                     print(f"trial {n + 1}/{2 * trials} ({kind}): own work merged {merged:.1f}s after the restart, "
-                          f"join {row['join_s']:.1f}s, plain restart to its first step {row['plain_first_step_s']:.1f}s; takeover "
-                          f"{row['takeover']}", flush=True)
+                          f"join {row['join_s']:.1f}s, plain restart to its first step "
+                          f"{row['plain_first_step_s']:.1f}s; takeover {row['takeover']}", flush=True)
                     # Past its first sends (fragment p's after p·H/P steps) and a whole period more.
                     _wait("l2 to merge a full period", lambda: _merges_of(events, "l2") > before + 2 * P,
                           list(procs.values()))
@@ -141,13 +143,15 @@ def main() -> int:
                     proc.wait(30)
 
     cols = ["imports_s", "model_s", "join_s", "first_step_s", "own_work_merged_s", "plain_first_step_s"]
-    stats = {kind: {c: summary([r[c] for r in rows if r["kind"] == kind]) for c in cols} for kind in ("token", "no token")}
+    stats = {kind: {c: summary([r[c] for r in rows if r["kind"] == kind]) for c in cols}
+             for kind in ("token", "no token")}
     print("\nrestart of l2, seconds: median [min-max]")
     print(f"{'':<10}" + "".join(f"{c:>20}" for c in cols))
     for kind, by_col in stats.items():
         print(f"{kind:<10}" + "".join(f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]".rjust(20)
                                       for s in by_col.values()))
-    result = {f"{k.replace(' ', '_')}_{c}": stats[k][c]["median"] for k in stats for c in ("own_work_merged_s", "join_s")}
+    result = {f"{k.replace(' ', '_')}_{c}": stats[k][c]["median"]
+              for k in stats for c in ("own_work_merged_s", "join_s")}
     result["plain_first_step_s"] = stats["token"]["plain_first_step_s"]["median"]
     finish("rejoin", a.out, {"trials": trials, "takeover_after_s": TAKEOVER_AFTER, "model": "demo GPT 1.3M",
                              "schedule": {"H": H, "P": P, "tau": 1}, "rows": rows, "stats": stats}, result)

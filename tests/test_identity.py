@@ -202,7 +202,8 @@ def test_a_paused_learner_keeps_its_id_against_a_stranger_and_takes_it_back_with
         real.send_signal(signal.SIGCONT)
     answered = [r for r in replies if r is not None]
     assert answered and all(r["type"] == "error" and r["code"] == "busy" for r in answered), replies
-    assert any("reserved for the process that held it" in r["reason"] for r in answered), [r["reason"][:60] for r in answered]
+    assert any("reserved for the process that held it" in r["reason"] for r in answered), \
+        [r["reason"][:60] for r in answered]
     back = len(events(tmp_path))
     wait_for(lambda: _fragment_merges(tmp_path, "l0", 0, back) >= 3, 60, "l0 to merge again", (real,))
     ev = events(tmp_path)

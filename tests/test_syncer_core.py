@@ -368,3 +368,16 @@ def test_the_runner_carries_out_every_action_and_times_merges(time_merges: bool)
     done.clear()
     runner.run(contrib("b", base=1, step=16))  # K=1, grace 0: merges again at once
     assert [type(a).__name__ for a in done][:2] == ["SendUpdate", "Merged"]
+
+
+def test_a_cores_membership_view_is_its_own() -> None:
+    """No state shared between cores of one process (a sharded syncer's tests, the
+    simulator): a member joining one core leaves another's kept view of its membership
+    alone, and changes its own."""
+    a, b = make_core(), make_core()
+    view = a._members_view()
+    b.handle(LearnerJoined("d"), 1.0)
+    assert a._members_view() is view, "another core's member change invalidated this core's view"
+    assert "d" in b.connected_learners() and "d" not in a.connected_learners()
+    a.handle(LearnerJoined("e"), 1.0)
+    assert a._members_view() is not view and "e" in a.connected_learners()

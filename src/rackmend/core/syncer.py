@@ -32,7 +32,7 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
 import torch
@@ -302,19 +302,27 @@ class Ema:
         self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
 
 
+class _Changes:
+    """One core's count of changes to its members: its views of the membership
+    (``connected_learners``, ``expected_learners``) are kept until it moves."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 @dataclass
 class _Member:
+    changes: _Changes = field(repr=False, compare=False)
+    """Its core's counter, bumped by every change of this member, whoever makes it."""
     connected: bool
     expected: bool
 
-    changes = 0
-    """Bumped by every change of any member (a class attribute, not a field): the cores'
-    views of their membership (``connected_learners``, ``expected_learners``) are kept
-    until it moves, whoever changed a member and wherever."""
-
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        _Member.changes += 1
+        if name != "changes":
+            self.changes.n += 1
 
 
 class SyncerCore:
@@ -348,8 +356,9 @@ class SyncerCore:
         first, each with the versions per fragment this run kept of it: its values up to
         those are this run's too; its later ones were lost in a crash. Set by
         ``load_state_dict``; empty for a new run."""
+        self._changes = _Changes()
         self.members: dict[str, _Member] = {
-            lid: _Member(connected=False, expected=True) for lid in sc.learners
+            lid: _Member(self._changes, connected=False, expected=True) for lid in sc.learners
         }
         self.step_times: dict[str, Ema] = {}
         """Per learner, a moving average of its reported step time. The fleet's step
@@ -364,7 +373,7 @@ class SyncerCore:
         """``tokens_per_step``'s values, sorted (the median of the others without a sort per send)."""
         self._units_warned: set[str] = set()
         self._membership: tuple[tuple[int, int], tuple[str, ...], frozenset[str]] | None = None
-        """``_members_view``'s (key, connected, expected): key is (``_Member.changes``, the
+        """``_members_view``'s (key, connected, expected): key is (``_changes.n``, the
         member count) when they were computed."""
         self.last_counts: dict[str, tuple[float, int]] = {}
         """Per learner, (c_tokens, c_steps) of its latest merged contribution: the weight
@@ -503,7 +512,7 @@ class SyncerCore:
     def _members_view(self) -> tuple[tuple[int, int], tuple[str, ...], frozenset[str]]:
         """(key, connected learners sorted, expected learners), computed again only after
         a member changed (asked for at every contribution and merge)."""
-        key = (_Member.changes, len(self.members))
+        key = (self._changes.n, len(self.members))
         view = self._membership
         if view is None or view[0] != key:
             members = self.members
@@ -572,7 +581,7 @@ class SyncerCore:
         self.xi_sync.value = meta["ema"]["sync"]
         self.rejected = int(meta["rejected"])
         for lid in meta["learners"]:
-            self.members.setdefault(lid, _Member(connected=False, expected=True))
+            self.members.setdefault(lid, _Member(self._changes, connected=False, expected=True))
         for lid, p, sess, seq, retired in meta.get("sequences", []):
             self.sequences[(lid, int(p))] = (int(sess), int(seq))
             # Before the seq of retired sessions was kept, any send of one was refused.
@@ -621,7 +630,7 @@ class SyncerCore:
     def _join(self, lid: str, now: float, actions: list[Action]) -> None:
         if self.failslow is not None and lid not in self._failslow_resumed:
             self.failslow.forget(lid)  # expected again below; its baseline is learnt anew
-        m = self.members.setdefault(lid, _Member(connected=True, expected=True))
+        m = self.members.setdefault(lid, _Member(self._changes, connected=True, expected=True))
         # Only a learner flagged before a syncer restart is still slow here: not waited for.
         m.connected, m.expected = True, not (self.failslow is not None and self.failslow.is_slow(lid))
         actions.append(Joined(t=now, learner=lid, expected=m.expected))
