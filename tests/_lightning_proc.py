@@ -126,8 +126,8 @@ class Probe(pl.Callback):
     """Test scaffolding: records what the rank trained on and its rackmend state at the
     save and after the resume, for the test to compare."""
 
-    def __init__(self, rack: RackmendCallback, out: Path, lid: str, fit: str) -> None:
-        self.rack, self.out, self.lid, self.fit = rack, out, lid, fit
+    def __init__(self, rack: RackmendCallback, out: Path, lid: str, fit: str, learners: list[str]) -> None:
+        self.rack, self.out, self.lid, self.fit, self.learners = rack, out, lid, fit, learners
         self.rank = int(os.environ.get("RANK", "0"))  # torchrun's: the process group comes later
         self.tokens: list[int] = []
 
@@ -156,6 +156,12 @@ class Probe(pl.Callback):
             self._record("resumed")
         elif self.fit == "c":  # restore=False: the rack joined after Lightning restored the model
             self._record("rejoined")
+        if self.fit != "a":
+            # Deterministic rounds expect the learners that have joined: a rack that left
+            # fit A and is not back yet is not waited for, and a round that the other rack
+            # merged alone meanwhile would leave the two out of step for good. Every rank
+            # of every rack has joined (the callback ran first) before any step of this fit.
+            barrier(self.out, self.learners, self.lid, self.rank, f"fit-{self.fit}-joined")
 
     def on_fit_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         path = self.out / f"{self.lid}.tokens.{self.rank}.json"
@@ -169,19 +175,21 @@ def trainer(a: argparse.Namespace, rack: RackmendCallback, fit: str, steps: int,
     ckpt = ModelCheckpoint(dirpath=a.out / f"ckpt-{a.id}", filename="{step}", every_n_train_steps=a.ckpt_at,
                            save_top_k=-1)
     return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=2,
-                      callbacks=[rack, Probe(rack, a.out, a.id, fit), *([ckpt] if save else [])], logger=False,
+                      callbacks=[rack, Probe(rack, a.out, a.id, fit, a.learners.split(",")), *([ckpt] if save else [])],
+                      logger=False,
                       enable_checkpointing=save,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
 
-def barrier(out: Path, learners: list[str], lid: str, rank: int) -> None:
-    """Wait (bounded) until every rank of every learner has finished fit A."""
-    (out / f"{lid}.fit-a.{rank}").touch()
+def barrier(out: Path, learners: list[str], lid: str, rank: int, what: str = "fit-a") -> None:
+    """Wait (bounded) until every rank of every learner has reached ``what`` (default:
+    finished fit A)."""
+    (out / f"{lid}.{what}.{rank}").touch()
     end = time.monotonic() + 120
-    while not all((out / f"{other}.fit-a.{r}").exists() for other in learners for r in range(2)):
+    while not all((out / f"{other}.{what}.{r}").exists() for other in learners for r in range(2)):
         if time.monotonic() > end:
-            raise SystemExit("timed out waiting for the other racks to finish fit A")
-        time.sleep(0.1)
+            raise SystemExit(f"timed out waiting for the other racks' ranks to reach {what}")
+        time.sleep(0.05)
 
 
 def misuse(endpoint: str) -> int:
