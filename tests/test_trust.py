@@ -217,8 +217,6 @@ def test_guard_allowance_for_claimed_steps_needs_a_believable_step_counter_and_i
     # c_steps is the sender's word: a step counter that went back, or ran faster than
     # GUARD_RATE_SLACK x the other learners' rate, buys the usual bound only; one that
     # keeps pace buys at most GUARD_STEPS_CAP x the usual bound.
-    from rackmend.core.syncer import GUARD_RATE_SLACK, GUARD_STEPS_CAP
-
     core = make_core(K=2)
     step = _honest_rounds(core, 4)  # 8 steps per second, the last sends at t=3
     bad = torch.full((N,), 1e3)
