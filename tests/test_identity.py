@@ -529,5 +529,10 @@ def test_a_token_file_is_used_only_once_its_writer_is_gone(tmp_path: Path, caplo
     with caplog.at_level("WARNING", logger="rackmend.link"):
         assert tf.load() is None
     assert "ignoring the resume token file" in caplog.text
+    caplog.clear()
+    tf.path.write_text(json.dumps({"token": "ab", "pid": 1}))
+    with caplog.at_level("WARNING", logger="rackmend.link"):
+        assert tf.load() is None
+    assert "is not 32 characters" in caplog.text
     tf.forget()
     assert not tf.path.exists()

@@ -448,7 +448,8 @@ class SyncerService:
             return
         if self._first is None:  # resumed from a checkpoint that predates recorded settings
             self._first = (lid, hello.settings)
-        self.members.take_over(ident, lid, rank, hello.token)  # its token, or a holder silent for takeover_after (admit checked)
+        # admit checked: the hello presents the rank's token, or its holder was silent for takeover_after
+        self.members.take_over(ident, lid, rank, hello.token)
         _, token = self.members.join(ident, hello, self.core.fragments)
         self._send(ident, wire.welcome_frames(lid, rank, token))
         stats.state = "connected"

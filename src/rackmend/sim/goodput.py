@@ -86,18 +86,9 @@ def simulate_data_parallel(failures: Failures, *, duration: float, seed: int = 0
                     continue
                 stop(now, f.restart_time, "down")
             else:
-                close(now)
-                if state == "train":
-                    acct["lost"] += ((now - step_start) % step_time) * active
-                lost = min(f.chips_per_failure, active)
-                active -= lost
+                stop(now, f.downscale_time, "paused")  # at the chip count it ran on until now
+                active -= min(f.chips_per_failure, active)
                 heapq.heappush(repairs, now + f.repair_time)
-                state_before = state
-                state = "paused" if state_before == "train" else state
-                if state_before == "train":
-                    busy_until = now + f.downscale_time
-                elif not (state_before == "paused" and busy_until > now and f.reshape_overlap == "absorb"):
-                    busy_until = max(busy_until, now + f.downscale_time)
         next_fail = now + (rng.expovariate(active / f.mtbi_s) if active > 0 else float("inf"))
     else:
         raise RuntimeError("data-parallel simulation did not end; duration too long for its event bound")

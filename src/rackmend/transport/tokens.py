@@ -93,6 +93,8 @@ class TokenFile:
             log.warning("ignoring the resume token file %s (%s); this learner joins without it", self.path, exc)
             return None
         if not isinstance(token, str) or len(token) != wire.MAX_TOKEN_CHARS:
+            log.warning("ignoring the resume token file %s (its token is not %d characters); this learner joins "
+                        "without it", self.path, wire.MAX_TOKEN_CHARS)
             return None
         if _alive(pid, started if isinstance(started, str) else None):
             log.info("resume token of %s belongs to process %d, which still runs; joining without it", self._what,
