@@ -23,7 +23,8 @@ from rackmend.config import ConfigError
 from rackmend.service.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, CheckpointError, load_checkpoint
 from rackmend.service.events import Resumed, read_log
 from rackmend.service.export import ExportError, export_model
-from rackmend.service.syncer import ServiceConfig, SyncerService
+from rackmend.service.config import ServiceConfig
+from rackmend.service.syncer import SyncerService
 
 from helpers import serving
 from procs import of

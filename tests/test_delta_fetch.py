@@ -41,7 +41,7 @@ def _wait(cond, timeout: float, what: str) -> None:
 @pytest.mark.usefixtures("one_thread")
 def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> None:
     svc = SyncerService(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
-    records, send = watch_log(svc), svc._send_update
+    records, send = watch_log(svc), svc.node._send_update
     dropped: list[dict] = []
 
     def lossy_send(ident: bytes, upd, frames: list, reset: bool = False) -> None:
@@ -54,7 +54,7 @@ def test_lost_delta_is_fetched_and_the_learner_ends_equal_to_the_syncer() -> Non
             return
         send(ident, upd, frames, reset)
 
-    svc._send_update = lossy_send  # type: ignore[method-assign]
+    svc.node._send_update = lossy_send  # type: ignore[method-assign]
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
     opts: dict[str, RackmendOptimizer] = {}

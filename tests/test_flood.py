@@ -18,7 +18,8 @@ from rackmend.core.records import Joined, Left, Merged
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.events import BadMessage, MessageLimit, SettingsRefused, Stopped, Suppressed, UnknownPeer
 from rackmend.service.config import ALL_CONNECTIONS_BURST, LOG_WINDOW_S
-from rackmend.service.syncer import MAX_QUEUED_REPLIES, STRANGER_MAX_BYTES, layout_message_limit
+from rackmend.service.config import STRANGER_MAX_BYTES, layout_message_limit
+from rackmend.service.core import MAX_QUEUED_REPLIES
 from rackmend.transport import wire
 
 from helpers import serving

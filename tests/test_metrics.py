@@ -26,7 +26,8 @@ from rackmend.core.records import Merged, Rejected
 from rackmend.core.settings import LearnerSettings
 from rackmend.service.cli import add_syncer_arguments, build, resolve
 from rackmend.service.metrics import SyncerMetrics, is_loopback_host
-from rackmend.service.syncer import ServiceConfig, SyncerService
+from rackmend.service.config import ServiceConfig
+from rackmend.service.syncer import SyncerService
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import ZmqLink
 

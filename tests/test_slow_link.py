@@ -35,7 +35,7 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
                             syncer=SyncerConfig(min_quorum=1, learners=("fast", "slow"), grace_max=0.05,
                                                 max_staleness=16))
     svc, records, server = serving(config, heartbeat_timeout=30)
-    drive = svc._drive
+    drive = svc.node._drive
     arrivals: list[tuple[float, str, int]] = []  # (time, learner, versions behind when it arrived)
 
     def watch(event: object, **kw: Any) -> Any:
@@ -44,7 +44,7 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
             arrivals.append((svc.clock(), c.learner_id, svc.core.versions[c.fragment] - c.base_version))
         return drive(event, **kw)
 
-    svc._drive = watch  # type: ignore[method-assign]
+    svc.node._drive = watch  # type: ignore[method-assign]
     port = int(svc.endpoint.rsplit(":", 1)[1])
     # 4 Mbit/s: one fragment takes ~0.5 s, while each learner makes one every ~0.15 s.
     slow = LinkEmulator(("127.0.0.1", port), LinkConfig(bandwidth_bps=4e6, latency_s=0.02),
@@ -78,7 +78,7 @@ def test_a_slow_link_carries_fresh_values_not_a_backlog() -> None:
     merges = of(records, Merged)
     assert len(merges) > 30, "the fast learner should drive many merges"
     # Both ends coalesced: the slow link could never carry everything that was made.
-    assert links["slow"].superseded_sends > 0 and svc.superseded_updates > 0
+    assert links["slow"].superseded_sends > 0 and svc.node.superseded_updates > 0
     # So what reaches the syncer from the slow learner is about as stale late in the run
     # as early on, instead of ever staler behind a growing backlog.
     slow_arrivals = [(t - t0, lag) for t, lid, lag in arrivals if lid == "slow"]

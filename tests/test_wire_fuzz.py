@@ -29,6 +29,7 @@ from rackmend.transport.zmq_link import ZmqLink
 
 from helpers import batch, make_inner, make_model, watch_log
 from procs import of
+from service_rig import Rig as CoreRig
 
 MAX_BYTES = 1 << 20
 CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
@@ -367,42 +368,25 @@ def test_a_message_whose_handling_raises_is_dropped_and_the_syncer_serves_on() -
     """A fault that validation missed (here: a handler that raises for one learner id)
     is logged with its peer and dropped; the syncer answers, serves the others, and stops
     cleanly. Before, any exception left serve() and ended the process."""
+    rig = CoreRig(CONFIG, heartbeat_timeout=30)
+    handle = rig.node._handle
 
-    class Faulty(SyncerService):
-        def _handle(self, ident: bytes, msg: wire.Message) -> None:
-            if msg.header.get("learner") == "boom":
-                raise OverflowError("injected: a fault past validation")
-            super()._handle(ident, msg)
+    def faulty(ident: bytes, msg: wire.FromLearner) -> None:
+        if msg.learner == "boom":
+            raise OverflowError("injected: a fault past validation")
+        handle(ident, msg)
 
-    svc = Faulty(CONFIG, ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_timeout=30))
-    records = watch_log(svc)
-    thread = threading.Thread(target=svc.serve, daemon=True)
-    thread.start()
-    frags = pack_fragments(make_model(), 2, 4)
-    socks = []
-    try:
-        for lid in ("boom", "boom", "ok"):
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(svc.endpoint)
-            socks.append(sock)
-            sock.send_multipart(wire.hello_frames(lid, 0, 1, frags, LearnerSettings.from_config(CONFIG)))
-            assert sock.poll(10_000), f"no answer to {lid}'s hello"
-            header = msgpack.unpackb(sock.recv_multipart()[0])
-            if lid == "boom":
-                assert header["type"] == "error" and "internal error" in header["reason"], header
-            else:
-                assert header["type"] == "init_request", header  # the next learner is served as usual
-            assert thread.is_alive()
-        errors = of(records, InternalError)
-        assert len(errors) == 2 and "OverflowError" in errors[0].reason and errors[0].learner == "boom"
-    finally:
-        for sock in socks:
-            sock.close()
-        svc.stop()
-        thread.join(20)
-    assert not thread.is_alive()
-    assert of(records, Stopped)
+    rig.node._handle = faulty  # type: ignore[method-assign]
+    for lid in ("boom", "boom", "ok"):
+        (reply,) = rig.learner(lid).hello()
+        if lid == "boom":
+            assert isinstance(reply, wire.ErrorIn) and "internal error" in reply.reason, reply
+        else:
+            assert isinstance(reply, wire.InitRequestIn), reply  # the next learner is served as usual
+    errors = rig.of(InternalError)
+    assert len(errors) == 2 and "OverflowError" in errors[0].reason and errors[0].learner == "boom"
+    rig.node.finish()
+    assert rig.of(Stopped)
 
 
 def test_oversized_message_is_refused_and_service_keeps_serving(rig: Rig) -> None:

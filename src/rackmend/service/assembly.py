@@ -10,7 +10,7 @@ fragment has sent its piece.
   fragments from a plain rank, pieces from each rank of a sharded one).
 
 Which ranks own which pieces is ``rackmend.service.membership``'s; who is asked to seed
-the model, its timeout and starting the core are ``rackmend.service.syncer``'s.
+the model, its timeout and starting the core are ``rackmend.service.core``'s.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 layout, the shard, the merge and refusal counts, the learner whose settings the run
 uses), and on resume reads it back as a ``Saved``, checking it is this shard's. When to
 write (every ``checkpoint_every`` merges, at shutdown) is the service's
-(``rackmend.service.syncer``); the file itself (atomic write, safe load) is
+(``rackmend.service.core``); the file itself (atomic write, safe load) is
 ``rackmend.service.checkpoint``'s; the core's tensors and their keys are
 ``SyncerCore.state_dict``'s.
 """

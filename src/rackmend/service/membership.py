@@ -9,11 +9,10 @@
   that fit the run (``settings_agree``), the gate that holds a sharded learner's hellos
   until its ranks cover every tensor (``through_gate``); with Curve, whether a key may
   speak as the learner it names (``key_allows``); and silence (``drop_silent``).
-- ``setup_curve``: CurveZMQ on the socket, with pyzmq's refusals made visible (``_AuthLog``).
 
 Nothing here sends or feeds the core: refusals leave through the callables it is given,
 and what a joined rank then does (contributions, fetches, leave), the core's join and the
-seeding of a fresh model are ``rackmend.service.syncer``'s. Which learner ids a key file
+seeding of a fresh model are ``rackmend.service.core``'s. Which learner ids a key file
 allows is read by ``rackmend.service.identity``.
 """
 
@@ -24,11 +23,9 @@ import logging
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-import zmq
-
-from rackmend.config import ConfigError, RunConfig
+from rackmend.config import RunConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
 from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
@@ -43,10 +40,9 @@ from rackmend.service.events import (
     TakenOver,
     UplinkCodecDiffers,
 )
-from rackmend.service.identity import load_key_ids
 from rackmend.transport import wire
 
-__all__ = ["Peer", "Membership", "setup_curve"]
+__all__ = ["Peer", "Membership"]
 
 log = logging.getLogger("rackmend.syncer")
 
@@ -137,19 +133,18 @@ class Membership:
         """A sharded rack rank's declared pieces of this shard's fragments; None for a plain rank."""
         return None if hello.pieces is None else self.shard.select(hello.pieces)
 
-    def key_allows(self, ident: bytes, frame: zmq.Frame, msg: wire.Message) -> bool:
-        """Whether the Curve key this message came with may speak as the learner it names
-        (refused and logged as ``auth_denied`` otherwise)."""
+    def key_allows(self, ident: bytes, key: str, msg: wire.FromLearner) -> bool:
+        """Whether ``key``, the Curve public key (Z85) this message came with, may speak as
+        the learner it names (refused and logged as ``auth_denied`` otherwise)."""
         assert self.key_ids is not None
-        key = frame.get("User-Id")  # what the authenticator returned: the client's public key, Z85
         allowed = self.key_ids.get(key, frozenset())
-        lid = msg.header["learner"]
+        lid = msg.learner
         if allowed is None or lid in allowed:
             return True
         reason = (f"the Curve key {key[:8]}... may speak as {sorted(allowed)} only, not as {lid!r}; give this "
                   f"learner its own key, or list {lid!r} in the key file's 'learners' metadata "
                   "(rackmend keygen --learners)")
-        self._refuse(ident, AuthDenied, "fatal" if msg.type == "hello" else "denied", reason, learner=lid,
+        self._refuse(ident, AuthDenied, "fatal" if isinstance(msg, wire.HelloIn) else "denied", reason, learner=lid,
                      type=msg.type, key=key)
         return False
 
@@ -391,50 +386,3 @@ class Membership:
                             seconds=round(now - peer.last_seen, 3))
                 if not self.ranks_of(peer.learner_id):
                     gone(peer.learner_id)
-
-
-class _AuthLog:
-    """Logger for pyzmq's authenticator: it reports refusals at debug level only; an
-    operator needs to see them, so they become warnings and events."""
-
-    def __init__(self, on_denied: Callable[[str], None]) -> None:
-        self._log = logging.getLogger("rackmend.auth")
-        self._on_denied = on_denied
-
-    def debug(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        text = msg % args if args else msg
-        if "DENIED" in text:
-            self._on_denied(text)
-        else:
-            self._log.debug(text)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._log, name)
-
-
-def setup_curve(service: ServiceConfig, ctx: zmq.Context, sock: zmq.Socket,
-                on_denied: Callable[[str], None]) -> tuple[Any, dict[str, frozenset[str] | None] | None]:
-    """CurveZMQ on ``sock`` when ``service`` names a secret key: the authenticator thread
-    (stop it with the socket; refusals reach ``on_denied``) and, with an allowed-keys
-    directory, the learner ids each key may use. ``(None, None)`` without a key."""
-    s = service
-    if not s.secret_key_file:
-        return None, None
-    import zmq.auth
-    from zmq.auth.thread import ThreadAuthenticator
-
-    public, secret = zmq.auth.load_certificate(s.secret_key_file)
-    if secret is None:
-        raise ConfigError(f"{s.secret_key_file} holds no secret key; pass the .key_secret file")
-    auth = ThreadAuthenticator(ctx, log=_AuthLog(on_denied))  # type: ignore[arg-type]
-    auth.start()
-    key_ids = None
-    if s.allowed_keys_dir:
-        key_ids = load_key_ids(s.allowed_keys_dir)
-        auth.configure_curve(domain="*", location=s.allowed_keys_dir)
-    else:
-        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-    sock.curve_server = True
-    sock.curve_publickey = public
-    sock.curve_secretkey = secret
-    return auth, key_ids

@@ -3,7 +3,7 @@
 
 ``SyncerMetrics`` owns one ``CollectorRegistry`` per syncer (never the process-wide
 default one, so several syncers in one process keep their numbers apart) and is fed by
-the service driver (``rackmend.service.syncer``) from the core's typed actions and
+the service core (``rackmend.service.core``) from the round core's typed actions and
 records (``rackmend.core.records``) and from what the driver itself measures (bytes on the socket,
 joins and leaves, checkpoints). Nothing here reads a log line back or parses a reason
 sentence: rejections are counted by the core's fixed ``RejectCode`` words and the

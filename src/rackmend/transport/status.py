@@ -62,13 +62,13 @@ class StatusClient:
                 break
             frames = self._sock.recv_multipart(copy=False)
             try:
-                msg = wire.decode_header(frames, wire.STATUS_REPLY_TYPES, MAX_REPLY_BYTES)
-                if msg.type == "error":
+                answer = wire.parse_status_answer(frames, MAX_REPLY_BYTES)
+                if isinstance(answer, wire.ErrorIn):
                     raise StatusRefused(
                         f"the syncer at {self.endpoint} refused the status request: "
-                        f"{str(msg.header.get('reason', ''))[:300]} (a syncer of an older rackmend does not "
+                        f"{answer.reason[:300]} (a syncer of an older rackmend does not "
                         "answer status requests; upgrade it)")
-                got, status = wire.parse_status_reply(msg)
+                got, status = answer.nonce, answer.status
             except wire.WireError as exc:
                 raise TransportError(f"malformed status reply from {self.endpoint}: {exc}") from None
             if got == nonce:

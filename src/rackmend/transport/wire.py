@@ -46,6 +46,29 @@ __all__ = [
     "Message",
     "encode",
     "decode_header",
+    "FromLearner",
+    "HelloIn",
+    "InitIn",
+    "ContribIn",
+    "HeartbeatIn",
+    "LeaveIn",
+    "FetchIn",
+    "AckIn",
+    "MomentsIn",
+    "StatusIn",
+    "parse_from_learner",
+    "FromSyncer",
+    "UpdateIn",
+    "InitRequestIn",
+    "WelcomeIn",
+    "ByeIn",
+    "FailSlowIn",
+    "MomentsUpdateIn",
+    "SyncerAckIn",
+    "ErrorIn",
+    "parse_from_syncer",
+    "StatusReplyIn",
+    "parse_status_answer",
     "contribution_frames",
     "update_frames",
     "init_frames",
@@ -420,6 +443,152 @@ def decode_header(frames: Sequence[Any], allowed: Sequence[str], max_message_byt
             raise WireError("learner id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
         _field(header, "rank", int, minimum=0, maximum=MAX_WORLD - 1)
     return Message(kind, header, views[1:])
+
+
+
+# ---------------------------------------------------------------- typed inbound messages
+# Each side turns bytes into one of these in one place (``parse_from_learner``,
+# ``parse_from_syncer``) and dispatches on the class; nothing after that branches on the
+# header's ``type`` string. A body that needs the receiver's layout to be checked (a
+# contribution's tensors, a fragment number) is parsed by its own ``parse_*`` with the
+# ``message`` kept here, since only the receiver knows that layout.
+
+@dataclass(frozen=True)
+class FromLearner:
+    """A learner rank's message: its header's common fields checked (``decode_header``)."""
+
+    learner: str
+    rank: int
+    message: Message
+
+    @property
+    def type(self) -> str:
+        """The wire name (for logs and refusals)."""
+        return self.message.type
+
+
+class HelloIn(FromLearner):
+    """``hello``: a rank asks to join (``parse_hello``)."""
+
+
+class InitIn(FromLearner):
+    """``init``: the seeder's initial value of one fragment."""
+
+
+class ContribIn(FromLearner):
+    """``contrib``: an outer gradient of one fragment (``parse_contribution``)."""
+
+
+class HeartbeatIn(FromLearner):
+    """``heartbeat``: the rank is alive."""
+
+
+class LeaveIn(FromLearner):
+    """``leave``: the rank leaves cleanly."""
+
+
+class FetchIn(FromLearner):
+    """``fetch``: the rank asks for a fragment's full value (after a lost delta)."""
+
+
+class AckIn(FromLearner):
+    """``ack``: receipt of an update (``parse_ack``)."""
+
+
+class MomentsIn(FromLearner):
+    """``moments``: DES-LOC optimizer moments of one fragment (``parse_moments``)."""
+
+
+@dataclass(frozen=True)
+class StatusIn:
+    """``status``: a read-only client's request, which names no learner."""
+
+    nonce: int
+
+
+_FROM_LEARNER: dict[str, type[FromLearner]] = {
+    "hello": HelloIn, "init": InitIn, "contrib": ContribIn, "heartbeat": HeartbeatIn, "leave": LeaveIn,
+    "fetch": FetchIn, "ack": AckIn, "moments": MomentsIn}
+
+
+def parse_from_learner(frames: Sequence[Any], max_message_bytes: int) -> FromLearner | StatusIn:
+    """What the syncer received, typed (``WireError`` when it is not a message it takes)."""
+    msg = decode_header(frames, SYNCER_RECEIVES, max_message_bytes)
+    if msg.type == "status":
+        return StatusIn(parse_status_request(msg))
+    return _FROM_LEARNER[msg.type](msg.header["learner"], msg.header["rank"], msg)
+
+
+@dataclass(frozen=True)
+class FromSyncer:
+    """A message of the syncer to a learner rank; ``message`` for the body's parser."""
+
+    message: Message
+
+
+class UpdateIn(FromSyncer):
+    """``update``: a fragment's merged value (or a delta to it)."""
+
+
+class InitRequestIn(FromSyncer):
+    """``init_request``: this learner seeds a fresh syncer."""
+
+
+class WelcomeIn(FromSyncer):
+    """``welcome``: the join was accepted; its resume token (``parse_welcome``)."""
+
+
+class ByeIn(FromSyncer):
+    """``bye``: the syncer heard this rank's leave."""
+
+
+class FailSlowIn(FromSyncer):
+    """``fail_slow``: advice about this learner's speed (``parse_fail_slow``)."""
+
+
+class MomentsUpdateIn(FromSyncer):
+    """``moments_update``: averaged DES-LOC moments (``parse_moments_update``)."""
+
+
+class SyncerAckIn(FromSyncer):
+    """``ack``: receipt of a contribution (``parse_ack``)."""
+
+
+@dataclass(frozen=True)
+class ErrorIn(FromSyncer):
+    """``error``: a refusal, its ``code`` (``rejoin``, ``busy``, ``fatal``, ``rejected``...) and reason."""
+
+    code: str
+    reason: str
+
+
+_FROM_SYNCER: dict[str, type[FromSyncer]] = {
+    "update": UpdateIn, "init_request": InitRequestIn, "welcome": WelcomeIn, "bye": ByeIn, "fail_slow": FailSlowIn,
+    "moments_update": MomentsUpdateIn, "ack": SyncerAckIn}
+
+
+@dataclass(frozen=True)
+class StatusReplyIn:
+    """``status_reply``: a syncer's status, its shape checked (``parse_status_reply``)."""
+
+    nonce: int
+    status: dict[str, Any]
+
+
+def parse_status_answer(frames: Sequence[Any], max_message_bytes: int) -> StatusReplyIn | ErrorIn:
+    """What a read-only status client received, typed: the status, or the syncer's refusal."""
+    msg = decode_header(frames, STATUS_REPLY_TYPES, max_message_bytes)
+    if msg.type == "error":
+        return ErrorIn(msg, str(msg.header.get("code")), str(msg.header.get("reason", ""))[:500])
+    return StatusReplyIn(*parse_status_reply(msg))
+
+
+def parse_from_syncer(frames: Sequence[Any], max_message_bytes: int) -> FromSyncer:
+    """What a learner's link received, typed (``WireError`` when it is not a message it takes)."""
+    msg = decode_header(frames, SYNCER_TYPES, max_message_bytes)
+    if msg.type == "error":
+        return ErrorIn(msg, str(msg.header.get("code")), str(msg.header.get("reason", ""))[:500])
+    return _FROM_SYNCER[msg.type](msg)
 
 
 _MAX_CODEC_SPEC = 200

@@ -465,8 +465,9 @@ class ZmqLink(QueueLink):
     def _receive(self, dealer: zmq.Socket, frames: list[zmq.Frame]) -> None:
         self.bytes_received += sum(len(f.buffer) for f in frames)
         try:
-            msg = wire.decode_header(frames, wire.SYNCER_TYPES, self.max_message_bytes)
-            if msg.type == "update":
+            typed = wire.parse_from_syncer(frames, self.max_message_bytes)
+            msg = typed.message
+            if isinstance(typed, wire.UpdateIn):
                 p = wire.fragment_field(msg.header, len(self._fragments), "update")
                 version = msg.header.get("version")
                 if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -474,7 +475,7 @@ class ZmqLink(QueueLink):
                 self._send(dealer, wire.ack_frames(p, self.learner_id, self.rank))
                 self._busy = None  # the hello was taken after all
                 self._on_update(dealer, msg, p, version)
-            elif msg.type == "init_request":
+            elif isinstance(typed, wire.InitRequestIn):
                 self._init_requested = True
                 # The seeder's ranks each send what they own (a plain rank: every fragment
                 # whole): the newest merged value received, so a syncer restarted without
@@ -485,23 +486,23 @@ class ZmqLink(QueueLink):
                     if values:
                         self._send(dealer, wire.init_frames(self.learner_id or "", self.rank, p, values,
                                                             self._wire_pieces[p]))
-            elif msg.type == "welcome":
+            elif isinstance(typed, wire.WelcomeIn):
                 token = wire.parse_welcome(msg, self.learner_id, self.rank)
                 if token != self._token:
                     self._token = token
                     self._hello = wire.hello_frames(*self._hello_args, token=token)
                     assert self._token_file is not None
                     self._token_file.save(token)
-            elif msg.type == "bye":
+            elif isinstance(typed, wire.ByeIn):
                 self._bye.set()
-            elif msg.type == "fail_slow":
+            elif isinstance(typed, wire.FailSlowIn):
                 self._advice.put(wire.parse_fail_slow(msg, self.learner_id))
-            elif msg.type == "moments_update":
+            elif isinstance(typed, wire.MomentsUpdateIn):
                 self._moment_box.put(wire.parse_moments_update(msg, self._fragments))
-            elif msg.type == "ack":
+            elif isinstance(typed, wire.SyncerAckIn):
                 self._outbox.ack(wire.parse_ack(msg, len(self._fragments)))
-            elif msg.type == "error":
-                code, reason = msg.header.get("code"), str(msg.header.get("reason", ""))[:500]
+            elif isinstance(typed, wire.ErrorIn):
+                code, reason = typed.code, typed.reason
                 if code == "rejoin" and self._leaving:
                     self._bye.set()  # the syncer does not know us any more: nothing to leave
                 elif code in ("rejoin", "busy"):
