@@ -12,6 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import zmq
 
 from rackmend.config import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.fragments import FragmentSpec, pack_fragments
@@ -55,11 +56,16 @@ class Rig:
         self.records: list[SyncerRecord] = []
         self.inbox: dict[bytes, list[wire.FromSyncer]] = defaultdict(list)
         """Per connection, what the core sent it that its learner has not read yet."""
+        self.full: set[bytes] = set()
+        """Connections whose transport queue is full (a peer that reads nothing): sends to
+        them raise ``zmq.Again``, as ZeroMQ's do, and wait in the core's outbox."""
         self.node = ServiceCore(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service), send=self._send,
                                 clock=self.clock, emit=lambda line: self.records.append(read_event(line)),
                                 epoch=11, key_ids=key_ids)
 
     def _send(self, ident: bytes, frames: list[Any]) -> None:
+        if ident in self.full:
+            raise zmq.Again()
         self.inbox[ident].append(wire.parse_from_syncer(_bytes(frames), 1 << 30))
 
     def advance(self, seconds: float) -> None:

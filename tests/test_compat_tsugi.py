@@ -151,7 +151,7 @@ def test_misuse_fails_loudly_and_the_delta_is_not_handed_out_twice(one_thread: N
         assert rt.outer_step_collect() is None
         assert not rt.outer_step_in_flight()
         merged = [e for e in hub.merges()]
-        assert merged and merged[0]["tokens"] == {"l0": 24.0}, "tokens_per_step did not reach the merge"
+        assert merged and merged[0].tokens == {"l0": 24.0}, "tokens_per_step did not reach the merge"
     finally:
         mend_shutdown(model)
         hub.close()

@@ -70,7 +70,7 @@ def test_int4_uplink_int8_downlink_equal_the_reference(M: int, P: int, tau: int)
 
 def test_powersgd_uplink_equals_the_reference() -> None:
     _, hub, _ = _run_and_compare(_config(2, 1, 2, "powersgd:rank=2", "int8:block_size=32"), ["l0", "l1"])
-    assert {c for e in hub.merges() for c in e["codecs"].values()} == {"powersgd"}
+    assert {c for e in hub.merges() for c in e.codecs.values()} == {"powersgd"}
 
 
 def test_compression_actually_happens() -> None:
@@ -91,8 +91,8 @@ def test_compression_actually_happens() -> None:
     got = plain_opts["l0"].bytes_sent / lossy_opts["l0"].bytes_sent
     assert got == pytest.approx(ratio, rel=1e-9) and got > 5, f"int4 sent {got:.2f}x fewer bytes"
     merges = hub.merges()
-    assert all(set(e["codecs"].values()) == {"int4"} for e in merges)
-    assert all(e["bytes_in"] < sum(f.nbytes for f in frags) for e in merges)
+    assert all(set(e.codecs.values()) == {"int4"} for e in merges)
+    assert all(e.bytes_in < sum(f.nbytes for f in frags) for e in merges)
 
 
 def test_learner_state_dict_keeps_uplink_residuals() -> None:

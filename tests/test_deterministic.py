@@ -36,7 +36,7 @@ def _assert_same(config: RackmendConfig, ids: list[str]) -> None:
     ref_models, ref_theta = reference_run(make_model, make_inner, batch, config, ids, STEPS)
     rounds = {}
     for e in hub.merges():
-        rounds[e["fragment"]] = rounds.get(e["fragment"], 0) + 1
+        rounds[e.fragment] = rounds.get(e.fragment, 0) + 1
     assert min(rounds.values()) >= 3 and len(rounds) == config.schedule.num_fragments
     assert_equal_to_reference(models, hub, ref_models, ref_theta)
 

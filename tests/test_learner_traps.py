@@ -105,7 +105,7 @@ def test_step_without_tokens_uses_tokens_per_step() -> None:
     merges = hub.merges()
     assert merges
     for e in merges:
-        assert 0.2 < e["weights"]["l1"] < 0.8, e["weights"]
+        assert 0.2 < e.weights["l1"] < 0.8, e.weights
     assert not [r for r in hub.records if isinstance(r, TokenUnits)]
 
 

@@ -62,10 +62,10 @@ def test_an_absurd_outer_step_shows_as_negative_gain_and_a_warning(caplog: pytes
     for lr in (1.0, 100.0):
         with InProcessSyncer.for_model(_config(lr), make_model()) as hub:
             learner_gains = _train_pair(_config(lr), hub.connect)
-        merges = [e for e in hub.merges() if e["gains"]]
+        merges = [e for e in hub.merges() if e.gains]
         assert len(merges) >= 10, "gains did not reach the syncer's merge records"
-        assert all(set(e["gains"]) <= {"l0", "l1"} for e in merges)
-        logged = [g for e in merges for g in e["gains"].values()]
+        assert all(set(e.gains) <= {"l0", "l1"} for e in merges)
+        logged = [g for e in merges for g in e.gains.values()]
         results[lr] = (statistics.median(logged), hub, learner_gains)
     sane, absurd = results[1.0], results[100.0]
     assert absurd[0] < -0.1 and sane[0] > absurd[0] + 0.1, (sane[0], absurd[0])

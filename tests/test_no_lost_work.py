@@ -326,7 +326,7 @@ def test_inprocess_leave_merges_the_leavers_work() -> None:
         end = time.monotonic() + 10.0
         while not hub.merges() and time.monotonic() < end:
             time.sleep(0.01)
-        assert [m.get("cause") for m in hub.merges()] == ["leave"], "no merge after the leave"
+        assert [m.cause for m in hub.merges()] == ["leave"], "no merge after the leave"
     finally:
         hub.close()
     _assert_theta_is(hub, model, theta0)
@@ -336,5 +336,5 @@ def test_inprocess_close_merges_pending_work() -> None:
     hub, model, theta0 = _inprocess_one_sender(leave=False)
     hub.close()
     assert [type(r) for r in hub.records if isinstance(r, (FinalMerged, Merged))] == [FinalMerged, Merged]
-    assert hub.merges()[0]["cause"] == "final"
+    assert hub.merges()[0].cause == "final"
     _assert_theta_is(hub, model, theta0)

@@ -44,6 +44,8 @@ from rackmend.transport.zmq_link import ZmqLink
 from helpers import (Dealer, assert_files_equal_reference, batch, free_port, keygen, make_inner, make_model, serving,
                      train, watch_log)
 from reference import reference_run
+from service_rig import Rig as CoreRig
+from service_rig import errors_in
 
 from procs import LEARNER, TORCHRUN, Procs, events, finish, of, progress, wait_for
 from test_trust import CONFIG as RAW_CONFIG
@@ -357,29 +359,21 @@ def test_first_learner_dying_mid_init_hands_seeding_to_the_next(procs: Procs, tm
     assert any("l0" in e.merged for e in of(ev, Merged))
 
 
-def test_init_request_passes_to_a_waiting_learner_after_init_timeout(tmp_path: Path) -> None:
+def test_init_request_passes_to_a_waiting_learner_after_init_timeout() -> None:
     """Trap 8, the hand-over itself: two learners wait, the seeder never sends init; the
-    other one is asked after init_timeout, and both steps are logged."""
-    config = RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1))
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", init_timeout=0.5,
-                                              log_path=str(tmp_path / "events.jsonl")))
-    thread = threading.Thread(target=svc.serve, daemon=True)
-    thread.start()
-    first, second = Dealer(svc.endpoint), Dealer(svc.endpoint)
-    try:
-        first.send(_hello("a", _settings(1)))
-        assert first.recv_type("init_request", 10) is not None
-        second.send(_hello("b", _settings(1)))
-        assert second.recv_type("init_request", 10) is not None, "seeding did not pass to the waiting learner"
-    finally:
-        first.close()
-        second.close()
-        svc.stop()
-        thread.join(20)
-    ev = events(tmp_path)
-    timeout = of(ev, InitTimedOut)
+    other one is asked after init_timeout (not before), and both steps are logged."""
+    rig = CoreRig(RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1)),
+                  init_timeout=0.5)
+    first, second = rig.learner("a"), rig.learner("b")
+    assert [type(m) for m in first.send(_hello("a", _settings(1)))] == [wire.InitRequestIn]
+    assert second.send(_hello("b", _settings(1))) == []
+    rig.advance(0.4)
+    assert second.read() == [], "seeding passed on before init_timeout"
+    rig.advance(0.2)
+    assert [type(m) for m in second.read()] == [wire.InitRequestIn], "seeding did not pass to the waiting learner"
+    timeout = rig.of(InitTimedOut)
     assert timeout and timeout[0].learner == "a" and timeout[0].next == "b"
-    assert [e.learner for e in of(ev, InitRequested)] == ["a", "b"]
+    assert [e.learner for e in rig.of(InitRequested)] == ["a", "b"]
 
 
 def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path: Path) -> None:
@@ -395,53 +389,40 @@ def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path:
     assert (refused[0].learner_value, refused[0].syncer_value) == (1, 2)
 
 
-def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners(tmp_path: Path) -> None:
+def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners() -> None:
     """deterministic and the downlink codec must equal the syncer's; H and P must equal
     the other learners'; another uplink codec is fine but logged once per learner."""
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1),
                             compression=CompressionConfig(downlink="int8"))
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", log_path=str(tmp_path / "events.jsonl")))
-    thread = threading.Thread(target=svc.serve, daemon=True)
-    thread.start()
-    socks: list[Dealer] = []
+    rig = CoreRig(config)
 
-    def hello(lid: str, settings: dict, **layout: int) -> dict | None:
-        d = Dealer(svc.endpoint)
-        socks.append(d)
-        d.send(_hello(lid, settings, **layout))
-        return d.recv_type("error", 3)
+    def hello(lid: str, settings: dict, **layout: int) -> wire.ErrorIn | None:
+        errors = errors_in(rig.learner(lid).send(_hello(lid, settings, **layout)))
+        return errors[0] if errors else None
 
-    try:
-        seeder = Dealer(svc.endpoint)
-        socks.append(seeder)
-        seeder.send(_hello("seed", _settings(1, downlink="int8", uplink="int4")))
-        assert seeder.recv_type("init_request", 10) is not None
-        for p, spec in enumerate(pack_fragments(make_model(), 2, 3)):
-            seeder.send(wire.init_frames("seed", 0, p, [torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors]))
-        assert seeder.recv_type("update", 10) is not None
-        err = hello("det", _settings(1, downlink="int8", deterministic=True))
-        assert err and err["code"] == "fatal" and "deterministic" in err["reason"] and "--deterministic" in err["reason"]
-        err = hello("down", _settings(1, downlink="none"))
-        assert err and err["code"] == "fatal" and "downlink" in err["reason"] and "int8" in err["reason"]
-        err = hello("h4", _settings(1, H=4, downlink="int8"), H=4)
-        assert err and err["code"] == "fatal" and "sync_every" in err["reason"] and "4" in err["reason"]
-        err = hello("p1", _settings(1, P=1, downlink="int8"), P=1)
-        assert err and err["code"] == "fatal" and "num_fragments" in err["reason"]
-        err = hello("ow", _settings(1, downlink="int8", apply="overwrite"))
-        assert err and err["code"] == "fatal" and "apply" in err["reason"] and "'keep_local'" in err["reason"]
-        assert hello("up", _settings(1, downlink="int8:block_size=256")) is None  # the same codec, spelt out
-    finally:
-        for d in socks:
-            d.close()
-        svc.stop()
-        thread.join(20)
-    ev = events(tmp_path)
-    refused = {e.learner: e.setting for e in of(ev, SettingsRefused)}
+    seeder = rig.learner("seed")
+    assert [type(m) for m in seeder.send(_hello("seed", _settings(1, downlink="int8", uplink="int4")))] == [
+        wire.InitRequestIn]
+    for p, spec in enumerate(pack_fragments(make_model(), 2, 3)):
+        seeder.send(wire.init_frames("seed", 0, p, [torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors]))
+    assert len(seeder.versions) == 2, "the seeder did not join"
+    err = hello("det", _settings(1, downlink="int8", deterministic=True))
+    assert err and err.code == "fatal" and "deterministic" in err.reason and "--deterministic" in err.reason
+    err = hello("down", _settings(1, downlink="none"))
+    assert err and err.code == "fatal" and "downlink" in err.reason and "int8" in err.reason
+    err = hello("h4", _settings(1, H=4, downlink="int8"), H=4)
+    assert err and err.code == "fatal" and "sync_every" in err.reason and "4" in err.reason
+    err = hello("p1", _settings(1, P=1, downlink="int8"), P=1)
+    assert err and err.code == "fatal" and "num_fragments" in err.reason
+    err = hello("ow", _settings(1, downlink="int8", apply="overwrite"))
+    assert err and err.code == "fatal" and "apply" in err.reason and "'keep_local'" in err.reason
+    assert hello("up", _settings(1, downlink="int8:block_size=256")) is None  # the same codec, spelt out
+    refused = {e.learner: e.setting for e in rig.of(SettingsRefused)}
     assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments",
                        "ow": "apply"}
-    uplink = of(ev, UplinkCodecDiffers)
+    uplink = rig.of(UplinkCodecDiffers)
     assert [(e.learner, e.learner_codec, e.syncer_codec) for e in uplink] == [("seed", "int4", "none")]
-    assert {e.learner for e in of(ev, Joined)} == {"seed", "up"}
+    assert {e.learner for e in rig.of(Joined)} == {"seed", "up"}
 
 
 def test_work_sent_before_a_graceful_leave_is_merged(procs: Procs, tmp_path: Path) -> None:

@@ -395,7 +395,7 @@ def test_an_adversary_sending_just_under_its_bound_every_merge_cannot_ratchet_it
 def test_guard_scale_grows_at_most_guard_growth_per_merge() -> None:
     # A learner alone in its rounds owns the whole window; sending just under the bound
     # every round, it raises its bound by at most GUARD_GROWTH per merge.
-    from rackmend.core.syncer import GUARD_GROWTH
+    from rackmend.core.syncer_fragment import GUARD_GROWTH
 
     core = make_core(learners=("a",))
     step = 0

@@ -30,14 +30,13 @@ from rackmend.core.syncer import (
     FinalMerge,
     LearnerJoined,
     LearnerLeft,
-    Merged,
     MomentsArrived,
     SendMomentUpdate,
     SendUpdate,
     SyncerCore,
-    SyncerRecord,
     Tick,
 )
+from rackmend.core.records import Merged, SyncerRecord
 from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.transport.base import QueueLink, TransportError
 
@@ -108,13 +107,9 @@ class InProcessSyncer:
         self.close()
 
     @property
-    def events(self) -> list[dict]:
-        """The log: every record as its JSONL line (``to_record()``), in order."""
-        return [r.to_record() for r in self.records]
-
-    def merges(self) -> list[dict]:
-        """The ``merge`` lines of the log (``Merged`` records), in order."""
-        return [r.to_record() for r in self.records if isinstance(r, Merged)]
+    def merges(self) -> list[Merged]:
+        """The ``merge`` records (``records`` has every record, typed)."""
+        return [r for r in self.records if isinstance(r, Merged)]
 
     # ------------------------------------------------------------------ internals
     def _register(self, learner_id: str, box: "queue.Queue[Update]",
