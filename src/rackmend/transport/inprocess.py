@@ -106,7 +106,6 @@ class InProcessSyncer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
     def merges(self) -> list[Merged]:
         """The ``merge`` records (``records`` has every record, typed)."""
         return [r for r in self.records if isinstance(r, Merged)]
