@@ -10,6 +10,10 @@ import torch
 from procs import TIME_SCALE, Procs
 from rackmend.transport.tokens import TOKEN_DIR_ENV
 
+SERIAL_MARKERS = ("processes", "integration", "serial")
+"""Tests that start processes, train in a third-party stack, or say they need the machine
+to themselves: never two of them at once."""
+
 
 @pytest.fixture(autouse=True)
 def token_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -42,6 +46,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "procs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.processes)
+        if any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
+            # Under pytest-xdist's --dist loadgroup (make test) these run one at a time on
+            # one worker; the other worker takes in-process tests meanwhile. Two of them at
+            # once on two cores made timing-bound ones fail (Makefile).
+            item.add_marker(pytest.mark.xdist_group("serial"))
         bound = item.get_closest_marker("timeout")
         if bound is not None and bound.args and TIME_SCALE != 1:  # a test's own bound moves too
             item.add_marker(pytest.mark.timeout(float(bound.args[0]) * TIME_SCALE), append=False)

@@ -78,6 +78,7 @@ def test_loss_interpolation() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.serial  # learner processes whose step times the fail-slow check reads
 def test_tiny_run_writes_every_report_file(tmp_path: Path) -> None:
     """Two learner processes, a real syncer, emulated links, one learner fail-slow: the
     syncer flags it in its slow window and restores it, and the report says so."""

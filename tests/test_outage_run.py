@@ -19,7 +19,8 @@ from rackmend.transport.zmq_link import ZmqLink
 from helpers import batch, make_inner, make_model, run_threads, serving
 from procs import of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# Link outages timed in seconds of real time: never beside another heavy test.
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.serial]
 
 OUTAGE_START, OUTAGE_S = 2.0, 2.0
 STALL_START, STALL_S = 1.5, 2.5

@@ -415,6 +415,7 @@ def test_healthy_rounds_kept_completing_during_the_fuzz(rig: Rig) -> None:
           f"{len(of(rig.records, BadMessage, Rejected, UnknownPeer))}")
 
 
+@pytest.mark.serial  # a syncer process of its own, checked against time bounds
 def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A few thousand messages of benchmarks/fuzz.py (every mutation class, attributed
     reply by reply) against a ``rackmend syncer`` process while a learner process trains."""
