@@ -152,10 +152,10 @@ def keygen(directory: Path, name: str, *extra: str) -> None:
 
 
 def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[SyncerRecord], threading.Thread]:
-    """A syncer service on 127.0.0.1 (any free port) serving on a daemon thread, and the
-    list its log records are also appended to, typed (``watch_log``). Stop it with
-    ``svc.stop(); thread.join(20)``."""
-    svc = SyncerService(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service))  # type: ignore[arg-type]
+    """A syncer service on 127.0.0.1 (any free port unless ``bind`` says) serving on a daemon
+    thread, and the list its log records are also appended to, typed (``watch_log``). Stop
+    it with ``svc.stop(); thread.join(20)``."""
+    svc = SyncerService(config, ServiceConfig(**{"bind": "tcp://127.0.0.1:0", **service}))  # type: ignore[arg-type]
     records = watch_log(svc)
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()

@@ -424,3 +424,43 @@ def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ig
     assert (r["crashes"], r["hangs"], r["bad_accepted"], r["corruption"]) == (0, 0, 0, 0), r
     assert r["messages"] == 3000 and r["must_refuse"] > 2000 and set(r["by_mutation"]) >= {"spoof", "replay", "hello"}
     assert r["merge_rate_during"] > 0, "the healthy learner stopped merging during the fuzz"
+
+
+def test_each_side_types_what_it_receives_in_one_place() -> None:
+    """``parse_from_learner`` / ``parse_from_syncer``: every message type a side takes
+    becomes its own class (the services dispatch on the class, never on the header's
+    string); anything else, and a message sent the wrong way, is refused by name."""
+    frags = pack_fragments(make_model(), 2, 4)
+    settings = LearnerSettings.from_config(CONFIG)
+    values = [torch.zeros(t.shape, dtype=t.dtype) for t in frags[0].tensors]
+    from_learner = {
+        wire.HelloIn: wire.hello_frames("l0", 0, 1, frags, settings),
+        wire.InitIn: wire.init_frames("l0", 0, 0, values),
+        wire.ContribIn: wire.encode(_contrib_header(learner="l0")),
+        wire.HeartbeatIn: wire.encode({"type": "heartbeat", "learner": "l0", "rank": 0}),
+        wire.LeaveIn: wire.encode({"type": "leave", "learner": "l0", "rank": 0}),
+        wire.FetchIn: wire.fetch_frames("l0", 0, 1),
+        wire.AckIn: wire.ack_frames(1, "l0", 0),
+        wire.MomentsIn: wire.encode({"type": "moments", "learner": "l0", "rank": 0}),
+    }
+    for kind, frames in from_learner.items():
+        msg = wire.parse_from_learner(frames, 1 << 24)
+        assert type(msg) is kind and (msg.learner, msg.rank) == ("l0", 0), (kind, msg)
+    assert wire.parse_from_learner(wire.status_request_frames(42), 1 << 20) == wire.StatusIn(42)
+    from_syncer = {
+        wire.InitRequestIn: wire.encode({"type": "init_request"}),
+        wire.WelcomeIn: wire.welcome_frames("l0", 0, "ab" * wire.TOKEN_BYTES),
+        wire.ByeIn: wire.encode({"type": "bye"}),
+        wire.SyncerAckIn: wire.ack_frames(1),
+        wire.ErrorIn: wire.encode({"type": "error", "code": "busy", "reason": "held"}),
+    }
+    for kind, frames in from_syncer.items():
+        assert type(wire.parse_from_syncer(frames, 1 << 20)) is kind, kind
+    err = wire.parse_from_syncer(from_syncer[wire.ErrorIn], 1 << 20)
+    assert isinstance(err, wire.ErrorIn) and (err.code, err.reason) == ("busy", "held")
+    for wrong_way in (lambda: wire.parse_from_syncer(from_learner[wire.HelloIn], 1 << 24),
+                      lambda: wire.parse_from_learner(from_syncer[wire.WelcomeIn], 1 << 20),
+                      lambda: wire.parse_from_learner(wire.encode({"type": "nonsense", "learner": "l0", "rank": 0}),
+                                                      1 << 20)):
+        with pytest.raises(wire.WireError, match="unknown message type"):
+            wrong_way()

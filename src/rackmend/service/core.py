@@ -198,10 +198,11 @@ class ServiceCore:
     def wake_in(self) -> float:
         """Seconds until ``tick`` has something to do at the latest: the next grace
         deadline, or soon while a connection has room to be sent to."""
-        timeout = 0.01 if any(box.sendable() for box in self._outboxes.values()) else 0.1
+        now = self.clock()
+        timeout = 0.01 if any(box.sendable(now) for box in self._outboxes.values()) else 0.1
         deadline = self.core.next_deadline() if self.core else None
         if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - self.clock()))
+            timeout = min(timeout, max(0.0, deadline - now))
         return timeout
 
     def tick(self) -> None:
@@ -713,7 +714,7 @@ class ServiceCore:
             self.metrics.sent(lid if stats is not None else None, nbytes)
 
         try:
-            done = box.flush(send)
+            done = box.flush(send, self.clock())
         except PeerGone as exc:
             self._event(SendDropped, peer=ident.hex(), reason=str(exc))
             del self._outboxes[ident]

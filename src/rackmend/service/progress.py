@@ -3,7 +3,7 @@ contributions and version lag that ``rackmend status`` shows (``LearnerStats``),
 fragment's latest merge, and the progress line logged every ``progress_every`` seconds.
 
 ``Tracker.status`` builds the fragments' and learners' part of the status answer; the
-syncer's own part (its counters, endpoint, state) is ``SyncerService.status``'s. The
+syncer's own part (its counters, endpoint, state) is ``ServiceCore.status``'s. The
 Prometheus metrics are ``rackmend.service.metrics``'s; the status client and its tables
 are ``rackmend.service.status``'s.
 """

@@ -15,7 +15,7 @@ A shard that does not answer is shown as unreachable beside the live ones (state
 answers does the command fail.
 
 The request itself lives in ``rackmend.transport.status``; the answer is built by
-``SyncerService.status``.
+``ServiceCore.status``.
 """
 
 from __future__ import annotations

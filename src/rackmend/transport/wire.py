@@ -562,6 +562,10 @@ class ErrorIn(FromSyncer):
     reason: str
 
 
+def _error_in(msg: Message) -> ErrorIn:
+    return ErrorIn(msg, str(msg.header.get("code")), str(msg.header.get("reason", ""))[:500])
+
+
 _FROM_SYNCER: dict[str, type[FromSyncer]] = {
     "update": UpdateIn, "init_request": InitRequestIn, "welcome": WelcomeIn, "bye": ByeIn, "fail_slow": FailSlowIn,
     "moments_update": MomentsUpdateIn, "ack": SyncerAckIn}
@@ -579,7 +583,7 @@ def parse_status_answer(frames: Sequence[Any], max_message_bytes: int) -> Status
     """What a read-only status client received, typed: the status, or the syncer's refusal."""
     msg = decode_header(frames, STATUS_REPLY_TYPES, max_message_bytes)
     if msg.type == "error":
-        return ErrorIn(msg, str(msg.header.get("code")), str(msg.header.get("reason", ""))[:500])
+        return _error_in(msg)
     return StatusReplyIn(*parse_status_reply(msg))
 
 
@@ -587,7 +591,7 @@ def parse_from_syncer(frames: Sequence[Any], max_message_bytes: int) -> FromSync
     """What a learner's link received, typed (``WireError`` when it is not a message it takes)."""
     msg = decode_header(frames, SYNCER_TYPES, max_message_bytes)
     if msg.type == "error":
-        return ErrorIn(msg, str(msg.header.get("code")), str(msg.header.get("reason", ""))[:500])
+        return _error_in(msg)
     return _FROM_SYNCER[msg.type](msg)
 
 

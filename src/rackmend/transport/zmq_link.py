@@ -76,6 +76,10 @@ class _Connection:
         self.since = time.monotonic()
         self.retries = 0
         self.handshakes_failed = 0
+        self.connects = 0
+        """TCP connections made (each retried attempt that got as far counts)."""
+        self.drops = 0
+        """Connections dropped after TCP connected."""
 
     def note(self, event: int, now: float) -> None:
         if event == zmq.EVENT_CONNECT_RETRIED:
@@ -86,6 +90,8 @@ class _Connection:
         if event & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
             self.handshakes_failed += 1
+        self.connects += event == zmq.EVENT_CONNECTED
+        self.drops += event == zmq.EVENT_DISCONNECTED
         self.state = {zmq.EVENT_CONNECTED: "TCP connected, ZeroMQ handshake pending",
                       zmq.EVENT_HANDSHAKE_SUCCEEDED: "up",
                       zmq.EVENT_DISCONNECTED: "disconnected, reconnecting",
@@ -94,6 +100,8 @@ class _Connection:
 
     def describe(self, now: float) -> str:
         extra = [f"{self.retries} connection attempt(s) retried"] if self.retries else []
+        if self.connects:
+            extra.append(f"{self.connects} TCP connection(s) made, {self.drops} dropped")
         if self.handshakes_failed:
             extra.append(f"{self.handshakes_failed} handshake(s) failed")
         return (f"connection: {self.state} for {now - self.since:.0f}s"
