@@ -138,7 +138,7 @@ class ServiceCore:
         """The model's whole layout (every fragment, in the model's numbering): what hellos
         are checked against. The core holds this shard's fragments only, renumbered from 0
         (``Shard.fragments``); fragment numbers are translated at the service's edge:
-        ``receive`` for what arrives, ``_out`` and ``_globalize`` for what leaves."""
+        ``receive`` for what arrives, ``_out`` and ``Shard.record`` for what leaves."""
         self.clock = clock
         self.metrics = SyncerMetrics(clock, self.shard)
         """Counted whether or not they are served (``metrics_port``)."""
@@ -164,7 +164,7 @@ class ServiceCore:
         self.tracker = Tracker(clock, self.shard, self.metrics, service.progress_every)
         self.assembly = PieceAssembly(self.shard, clock, self.metrics, log_record=self._log_record,
                                       refuse=self._refuse)
-        self.checkpoints = Checkpoints(service.checkpoint_dir, self.shard, clock, self.metrics, self._event)
+        self.checkpoints = Checkpoints(service.checkpoint_dir, self.shard, clock, self.metrics, self.event)
         self._limiter = EventLimiter(service.log_burst, LOG_WINDOW_S)
         self.replies_dropped = 0
         """Error and receipt replies not queued because their connection reads none."""
@@ -177,7 +177,7 @@ class ServiceCore:
         another value, and (epoch, version) keeps the two apart at the learners."""
         self.superseded_updates = 0
         """Updates replaced in a peer's outbox by a newer value before its link had room."""
-        self.members = Membership(config, service, self.shard, clock, event=self._event, peer_event=self._peer_event,
+        self.members = Membership(config, service, self.shard, clock, event=self.event, peer_event=self._peer_event,
                                   reply_error=self._reply_error, refuse=self._refuse, key_ids=key_ids)
         if service.resume:
             self._resume()
@@ -229,7 +229,7 @@ class ServiceCore:
             self.checkpoint()
         finally:
             self._summarise_suppressed(self._limiter.flush())
-            self._event(Stopped, merges=self.merges, rejected_messages=self.rejected_messages,
+            self.event(Stopped, merges=self.merges, rejected_messages=self.rejected_messages,
                         replies_dropped=self.replies_dropped, log_suppressed=self._limiter.suppressed_total,
                         queued_replies_max=self.queued_replies_max)
 
@@ -412,7 +412,7 @@ class ServiceCore:
                 self._layout = layout
                 pend = self._pending = PendingInit(self.shard.fragments(layout), {ident: self.members.declared(hello)},
                                                    lid, hello.settings, self.clock())
-                self._event(InitRequested, learner=lid, fragments=len(pend.layout))
+                self.event(InitRequested, learner=lid, fragments=len(pend.layout))
                 self._send(ident, wire.encode({"type": "init_request"}))
             elif pend.seeder_id == lid and hello.pieces is not None and ident not in pend.seeders:
                 # A sharded seeder: each of its ranks sends the pieces it owns.
@@ -445,7 +445,7 @@ class ServiceCore:
             return
         others = [(i, m) for i, m in pend.waiting if i not in pend.seeders]
         nxt = others[0][1].header["learner"] if others else None
-        self._event(InitTimedOut, learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
+        self.event(InitTimedOut, learner=pend.seeder_id, seconds=round(self.clock() - pend.asked_at, 3),
                     received=len(pend.values), next=nxt)
         log.warning("learner %s sent no initial value for %.0fs (--init-timeout); %s", pend.seeder_id,
                     self.clock() - pend.asked_at,
@@ -459,7 +459,7 @@ class ServiceCore:
                    if h.learner_id == hello.learner_id and (i == others[0][0] or h.pieces is not None)}
         self._pending = PendingInit(pend.layout, seeders, hello.learner_id, hello.settings, self.clock(),
                                     waiting=others)
-        self._event(InitRequested, learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
+        self.event(InitRequested, learner=hello.learner_id, fragments=len(pend.layout), replaces=pend.seeder_id)
         for ident in seeders:
             self._send(ident, wire.encode({"type": "init_request"}))
 
@@ -471,7 +471,7 @@ class ServiceCore:
         if not peer.owns(p):
             raise wire.WireError(f"fetch: rank {peer.rank} of {peer.world} does not own fragment {p}")
         upd = self.core.frags[p].current
-        self._event(Fetched, learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
+        self.event(Fetched, learner=peer.learner_id, rank=peer.rank, fragment=self.shard.to_global(p),
                     version=upd.version)
         self._send_update(ident, upd, self._update_frames(peer, upd, full=True))
 
@@ -489,7 +489,7 @@ class ServiceCore:
                 for waiting_ident, _ in pend.waiting:
                     self._send(waiting_ident, wire.encode({"type": "error", "code": "fatal", "reason": str(exc)}))
                 raise wire.WireError(f"cannot start on this model: {exc}") from None
-            self._event(Initialised, learner=msg.header["learner"])
+            self.event(Initialised, learner=msg.header["learner"])
             self._first = (pend.seeder_id, pend.settings)
             self._pending = None
             for waiting_ident, hello in pend.waiting:
@@ -518,7 +518,7 @@ class ServiceCore:
         if self.service.max_message_bytes is None:
             limit = layout_message_limit(layout)
             # ZeroMQ's pre-read cap was fixed at the bind, before this layout was known.
-            self._event(MessageLimit, bytes=limit, max_message_mb=math.ceil(limit / 2**20),
+            self.event(MessageLimit, bytes=limit, max_message_mb=math.ceil(limit / 2**20),
                         zmq_cap=2 * limit if self.service.resume else AUTO_ZMQ_CAP)
 
     def _drive(self, event: Event, ident: bytes | None = None, join: tuple[int, int] | None = None) -> list[Action]:
@@ -659,7 +659,7 @@ class ServiceCore:
         every = self.service.log_burst * ALL_CONNECTIONS_BURST
         if (self._limiter.allow((kind.event, _ALL_CONNECTIONS), now, burst=every)
                 and self._limiter.allow((kind.event, ident), now, peer=ident.hex())):
-            self._event(kind, peer=ident.hex(), **fields)
+            self.event(kind, peer=ident.hex(), **fields)
             return True
         return False
 
@@ -670,11 +670,11 @@ class ServiceCore:
         counted in the metrics)."""
         self.metrics.refusal(AuthDenied.event)
         if self._limiter.allow((AuthDenied.event,), self.clock()):
-            self._event(AuthDenied, reason=text)
+            self.event(AuthDenied, reason=text)
 
     def _summarise_suppressed(self, expired: list[tuple[Any, int, dict[str, Any]]]) -> None:
         for key, count, fields in expired:
-            self._event(Suppressed, of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
+            self.event(Suppressed, of=key[0], count=count, window_s=LOG_WINDOW_S, **fields)
 
     def _send_update(self, ident: bytes, upd: Any, frames: list[Any], reset: bool = False) -> None:
         """A fragment's new value; replaces one of the same fragment still waiting. The
@@ -716,7 +716,7 @@ class ServiceCore:
         try:
             done = box.flush(send, self.clock())
         except PeerGone as exc:
-            self._event(SendDropped, peer=ident.hex(), reason=str(exc))
+            self.event(SendDropped, peer=ident.hex(), reason=str(exc))
             del self._outboxes[ident]
             return
         if done and ident not in self.peers:  # gone: nothing it has not acknowledged matters now
@@ -771,9 +771,9 @@ class ServiceCore:
         self.tracker.versions_to_metrics(self.core)
         self.merges = saved.merges
         self.rejected_messages = saved.rejected_messages
-        self._event(Resumed, versions=tuple(self.core.versions), shard=self.checkpoints.shard_name())
+        self.event(Resumed, versions=tuple(self.core.versions), shard=self.checkpoints.shard_name())
 
-    def _event(self, kind: type[ServiceEvent], **fields: Any) -> None:
+    def event(self, kind: type[ServiceEvent], **fields: Any) -> None:
         """Log one of the service's own events, now."""
         self._log_record(kind(t=self.clock(), **fields))
 
@@ -795,6 +795,5 @@ class ServiceCore:
             log.info("%s", record)
 
     def _record(self, record: dict) -> None:
-        """Hand ``record`` to ``emit`` (the service writes the JSONL log; tests wrap this
-        to watch the log)."""
+        """Hand ``record`` to ``emit`` (``SyncerService`` writes it to the JSONL log)."""
         self._emit(record)

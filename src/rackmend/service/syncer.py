@@ -120,10 +120,10 @@ class SyncerService:
         if self.service.checkpoint_dir:
             removed = remove_stale_temps(self.service.checkpoint_dir)
             if removed:
-                node._event(CheckpointTempsRemoved, paths=tuple(str(p) for p in removed))
+                node.event(CheckpointTempsRemoved, paths=tuple(str(p) for p in removed))
                 log.info("removed %d temporary file(s) of interrupted checkpoint writes in %s", len(removed),
                          self.service.checkpoint_dir)
-        node._event(Listening, endpoint=self.endpoint, resumed=node.core is not None, epoch=node.epoch,
+        node.event(Listening, endpoint=self.endpoint, resumed=node.core is not None, epoch=node.epoch,
                     metrics=self.metrics_url)
         if self.service.ready_file:
             tmp = Path(self.service.ready_file + ".tmp")
