@@ -101,6 +101,19 @@ class Procs:
             if name is not None:
                 print(f"---- {name} (pid {p.pid}, {'running' if p.poll() is None else f'exit {p.returncode}'}), "
                       f"end of its output ----\n{self.output(name)[-6000:]}")
+        self._report_sockets()
+
+    def _report_sockets(self) -> None:
+        """The kernel's view of the TCP sockets of the processes still running (``ss``):
+        a connection that hears nothing shows whether its SYN is sent, refused or made."""
+        pids = [f"pid={p.pid}," for p in self.started if p.poll() is None]
+        try:
+            table = subprocess.run(["ss", "-tanp"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return
+        mine = [line for line in table.splitlines() if any(pid in line for pid in pids)]
+        if mine:
+            print("---- their TCP sockets (ss -tanp) ----\n" + "\n".join(mine[:200]))
 
     def kill_all(self) -> None:
         """Kill every process started here that still runs, and what it started: torchrun's
