@@ -26,6 +26,7 @@ from rackmend.codecs.base import Codec, CodecError
 from rackmend.codecs.registry import CODECS, parse_codec_spec
 
 __all__ = [
+    "HEARTBEAT_TIMEOUT_S",
     "ConfigError",
     "FrozenMapping",
     "frozen_config",
@@ -58,6 +59,11 @@ Merge = Literal["mean", "rda"]
 ApplyRule = Literal["auto", "overwrite", "mix", "keep_local"]
 Packing = Literal["balanced", "strided"]
 Anchoring = Literal["learner_base", "syncer"]
+HEARTBEAT_TIMEOUT_S = 10.0
+"""The syncer's default bound on a learner's silence (``ServiceConfig.heartbeat_timeout``),
+declared once: the simulator (``SimConfig.silence_timeout``) and the demo
+(``RunSettings.heartbeat_timeout_s``) default to it as well."""
+
 WEIGHTINGS: tuple[str, ...] = typing.get_args(Weighting)
 MERGES: tuple[str, ...] = typing.get_args(Merge)
 APPLY_RULES: tuple[str, ...] = typing.get_args(ApplyRule)

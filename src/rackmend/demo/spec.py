@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rackmend.config import (
+    HEARTBEAT_TIMEOUT_S,
     CompressionConfig,
     ConfigError,
     LearnerConfig,
@@ -179,7 +180,7 @@ class RunSettings:
     CPU allows. Tests pace tiny models with it so that the scheduling noise of a shared
     machine does not drown the injected fail-slow factor."""
 
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     """Silence after which the syncer stops expecting a learner (a killed one). Keep it
     well above the time one message takes on the slowest link: heartbeats queue behind
     fragments on the same connection."""

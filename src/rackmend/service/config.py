@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rackmend.config import OPTION, OPTION_SCALE, ConfigError, frozen_config
+from rackmend.config import HEARTBEAT_TIMEOUT_S, OPTION, OPTION_SCALE, ConfigError, frozen_config
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.shards import parse_shard
 from rackmend.service.metrics import is_loopback_host
@@ -73,7 +73,7 @@ class ServiceConfig:
     resume: bool = False
     """Start from the checkpoint in ``checkpoint_dir`` (an error if there is none)."""
 
-    heartbeat_timeout: float = 10.0
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S
     """Seconds without any message after which a learner rank counts as gone and
     rounds stop waiting for it. Learners send heartbeats every second by default;
     set this to several heartbeat periods so a busy learner is not dropped."""

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rackmend.config import ConfigError, RackmendConfig, check_choice
+from rackmend.config import HEARTBEAT_TIMEOUT_S, ConfigError, RackmendConfig, check_choice
 
 __all__ = ["RackSpec", "Kill", "Slowdown", "Failures", "FailureMode", "FAILURE_MODES", "ReshapeOverlap",
            "RESHAPE_OVERLAPS", "SimConfig", "HOUR", "YEAR",
@@ -206,7 +206,7 @@ class SimConfig:
     death after its previous rejoin."""
     slowdowns: tuple[Slowdown, ...] = ()
     """Learners that slow down for a while."""
-    silence_timeout: float | None = 10.0
+    silence_timeout: float | None = HEARTBEAT_TIMEOUT_S
     """Seconds after a learner's death until the syncer declares it gone (``LearnerLeft``
     with reason ``silent``, as ``ServiceConfig.heartbeat_timeout`` does); None: never,
     the dead learner stays connected and expected."""
