@@ -31,7 +31,6 @@ import cmath
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
@@ -308,16 +307,11 @@ class SyncerCore:
         fragments: Sequence[FragmentSpec],
         initial: Sequence[Sequence[torch.Tensor]],
         epoch: int = 0,
-        *,
-        pool: Executor | None = None,
     ) -> None:
         if len(initial) != len(fragments):
             raise ValueError(f"initial has {len(initial)} fragments, the layout has {len(fragments)}")
         self.config = config
         self.fragments = list(fragments)
-        self.pool = pool
-        """Workers the merge sums and norms spread over (the driver's; none: this thread).
-        The results are the same bits either way (``merge.parallel_ranges``)."""
         sc = config.syncer
         self.frags = [SyncerFragment(p, spec, values, sc.build_outer_optimizer, epoch,
                                      keep_history=sc.anchoring == "syncer")
@@ -654,7 +648,7 @@ class SyncerCore:
                 f"max_staleness {self.config.syncer.max_staleness}", actions,
             )
             return None
-        norm = contribution_norm(c.tensors, self.pool)  # NaN: a value is not finite
+        norm = contribution_norm(c.tensors)  # NaN: a value is not finite
         if math.isnan(norm):
             self._reject(c, now, "non_finite", "non-finite values (NaN or Inf)", actions)
             return None
@@ -1036,7 +1030,6 @@ class SyncerCore:
             [t.is_embedding or t.is_buffer for t in spec.tensors],  # rda is for weights only
             absent_weight,
             spec.variance_of,  # BatchNorm variances pool with their means' spread
-            self.pool,
         )
         # The outer step runs on the live tensors (torch.optim has no out-of-place step),
         # so the previous value and optimizer state are kept to roll back a non-finite result.
@@ -1088,7 +1081,7 @@ class SyncerCore:
         for lid, c in zip(ids, contribs):
             self.last_counts[lid] = (c.c_tokens, c.c_steps)
             self.last_merged[(lid, p)] = version
-        frag.note_norms(ids, contribs, self.pool)
+        frag.note_norms(ids, contribs)
         frag.round = Round()
         self._watch_gains(frag, gains, now, actions)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -124,13 +123,11 @@ def check_tensors(spec: FragmentSpec, tensors: Sequence[torch.Tensor]) -> str | 
     return None
 
 
-def contribution_norm(tensors: Sequence[torch.Tensor], pool: Executor | None = None) -> float:
+def contribution_norm(tensors: Sequence[torch.Tensor]) -> float:
     """L2 norm over all of a contribution's tensors, added up in float64; NaN when a value
     is NaN or infinite, inf when the finite values' norm overflows float64. One read of
     each tensor proves it finite too (a NaN or Inf makes its norm non-finite), so the
-    syncer checks finiteness with the norm it needs anyway. With ``pool``, one tensor per
-    worker at a time (the same value: each tensor's norm is computed whole, and they are
-    added in order)."""
+    syncer checks finiteness with the norm it needs anyway."""
     def one(t: torch.Tensor) -> float:
         if not t.numel():
             return 0.0
@@ -145,10 +142,7 @@ def contribution_norm(tensors: Sequence[torch.Tensor], pool: Executor | None = N
             return math.nan
         return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
 
-    total = 0.0
-    for sq in (pool.map(one, tensors) if pool is not None and len(tensors) > 1 else map(one, tensors)):
-        total += sq
-    return math.sqrt(total)
+    return math.sqrt(sum(map(one, tensors)))
 
 
 def contains(newer: Contribution, older: Contribution) -> bool:
@@ -360,7 +354,7 @@ class SyncerFragment:
         """The window's lower median, before the growth cap."""
         return sorted(self.norms)[(len(self.norms) - 1) // 2]
 
-    def note_norms(self, ids: Sequence[str], contribs: Sequence[Contribution], pool: Executor | None) -> None:
+    def note_norms(self, ids: Sequence[str], contribs: Sequence[Contribution]) -> None:
         """Add the norms of a merge's contributions to the guard window, one per learner
         (``contribs`` are each learner's combined work), leaving out those with a clipped
         send this round; then update the guard's scale."""
@@ -369,7 +363,7 @@ class SyncerFragment:
                 continue
             norm = self.round.known_norm(lid, c)
             if norm is None:
-                norm = contribution_norm(c.tensors, pool)
+                norm = contribution_norm(c.tensors)
             if norm > 0 and math.isfinite(norm):  # a zero delta says nothing about the scale
                 self.norms.append(norm)
                 self.norm_learners.append(lid)
