@@ -10,9 +10,6 @@ import torch
 from procs import TIME_SCALE, Procs
 from rackmend.transport.tokens import TOKEN_DIR_ENV
 
-SERIAL_MARKERS = ("processes", "integration", "serial")
-"""Tests that start processes, train in a third-party stack, or say they need the machine
-to themselves: never two of them at once."""
 
 
 @pytest.fixture(autouse=True)
@@ -42,15 +39,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.timeout = float(config.getini("timeout")) * TIME_SCALE
 
 
+# tryfirst: before pytest's own -m selection, which must see the marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "procs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.processes)
-        if any(item.get_closest_marker(m) for m in SERIAL_MARKERS):
-            # Under pytest-xdist's --dist loadgroup (make test) these run one at a time on
-            # one worker; the other worker takes in-process tests meanwhile. Two of them at
-            # once on two cores made timing-bound ones fail (Makefile).
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        if any(item.get_closest_marker(m) for m in ("processes", "integration")):
+            # make test runs the serial tests one at a time in one pytest, the others in
+            # a second pytest beside it (Makefile).
+            item.add_marker(pytest.mark.serial)
         bound = item.get_closest_marker("timeout")
         if bound is not None and bound.args and TIME_SCALE != 1:  # a test's own bound moves too
             item.add_marker(pytest.mark.timeout(float(bound.args[0]) * TIME_SCALE), append=False)

@@ -30,6 +30,7 @@ from rackmend.transport.zmq_link import ZmqLink
 from helpers import batch, make_inner, make_model, watch_log
 from procs import of
 from service_rig import Rig as CoreRig
+from test_fuzz_live import _fuzz_module
 
 MAX_BYTES = 1 << 20
 CONFIG = RackmendConfig(schedule=ScheduleConfig(sync_every=4, num_fragments=2, overlap=1),
@@ -328,16 +329,6 @@ def test_bad_input_is_rejected_and_logged(rig: Rig, case: tuple) -> None:
     assert rig.thread.is_alive()
 
 
-def _fuzz_module():  # type: ignore[no-untyped-def]
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import fuzz
-
-    return fuzz
-
-
 def test_every_hello_field_mutated_is_refused_quickly_and_the_syncer_serves_on(rig: Rig) -> None:
     """Every entry of benchmarks/fuzz.py's HELLO_MUTATIONS from a connection that never
     joined: an error reply within a bound, nothing joined, the service alive. Before the
@@ -413,17 +404,6 @@ def test_healthy_rounds_kept_completing_during_the_fuzz(rig: Rig) -> None:
     assert any("l0" in m.merged for m in merges[-5:])
     print(f"fuzz cases run: {N_CASES}, rejections logged: "
           f"{len(of(rig.records, BadMessage, Rejected, UnknownPeer))}")
-
-
-@pytest.mark.serial  # a syncer process of its own, checked against time bounds
-def test_fuzz_slice_against_a_live_syncer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A few thousand messages of benchmarks/fuzz.py (every mutation class, attributed
-    reply by reply) against a ``rackmend syncer`` process while a learner process trains."""
-    fuzz = _fuzz_module()
-    r = fuzz.run(3000, seed=1, warmup_s=2.0, workdir=tmp_path)
-    assert (r["crashes"], r["hangs"], r["bad_accepted"], r["corruption"]) == (0, 0, 0, 0), r
-    assert r["messages"] == 3000 and r["must_refuse"] > 2000 and set(r["by_mutation"]) >= {"spoof", "replay", "hello"}
-    assert r["merge_rate_during"] > 0, "the healthy learner stopped merging during the fuzz"
 
 
 def test_each_side_types_what_it_receives_in_one_place() -> None:
