@@ -11,7 +11,6 @@ from procs import TIME_SCALE, Procs
 from rackmend.transport.tokens import TOKEN_DIR_ENV
 
 
-
 @pytest.fixture(autouse=True)
 def token_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Learner links (in-process and the processes tests start) keep resume tokens in the

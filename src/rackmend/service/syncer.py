@@ -76,13 +76,10 @@ class SyncerService:
             raise
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.node.zmq_cap)
         self.sock.bind(service.bind)
-        self.endpoint = self.node.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.metrics_url: str | None = None
-        """Where ``/metrics`` is served; None without ``metrics_port``."""
+        self.node.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if service.metrics_port:
             try:
-                self.metrics_url = self.node.metrics_url = self.node.metrics.serve(service.metrics_host,
-                                                                                   service.metrics_port)
+                self.node.metrics_url = self.node.metrics.serve(service.metrics_host, service.metrics_port)
             except ConfigError:
                 self.sock.close(linger=0)
                 raise
@@ -97,6 +94,16 @@ class SyncerService:
     def peers(self) -> dict[bytes, Peer]:
         """The connected learner ranks, by connection (``Membership.peers``)."""
         return self.node.peers
+
+    @property
+    def endpoint(self) -> str:
+        """Where the socket listens (``tcp://127.0.0.1:PORT`` once bound)."""
+        return self.node.endpoint
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``/metrics`` is served; None without ``metrics_port``."""
+        return self.node.metrics_url
 
     @property
     def epoch(self) -> int:
