@@ -21,16 +21,17 @@ demo: $(STAMP)
 	$(VENV)/bin/rackmend demo
 
 # pytest exits 5 when it collects nothing; that counts as a failure here too. Two pytest
-# runs side by side: the tests marked serial (they start processes or train in a trainer
-# stack; conftest.py marks them) one at a time, and every other test, in-process, beside
-# them, its output held until both end. Spread freely over two pytest-xdist workers,
-# timing-bound process tests failed in 3 runs of 4. `pytest tests` runs all in one go.
+# runs side by side: the tests marked serial (they start processes and time them;
+# conftest.py marks them) one at a time, and every other test beside them (in-process
+# ones, and the trainer-stack ones, which start processes but bound no wall time), its
+# output held until both end. Spread freely over two pytest-xdist workers, timing-bound
+# process tests failed in 3 runs of 4. `pytest tests` runs all in one go.
 test: $(STAMP)
 	@$(PY) -m pytest -q -m "not serial" tests > .pytest-inprocess.log 2>&1 & inproc=$$!; \
 	$(PY) -m pytest -q -m serial tests; serial=$$?; \
 	wait $$inproc; status=$$?; \
-	echo "---- the in-process tests (run beside the serial ones) ----"; cat .pytest-inprocess.log; \
-	echo "make test: serial tests exit $$serial, in-process tests exit $$status"; \
+	echo "---- the other tests (run beside the serial ones) ----"; cat .pytest-inprocess.log; \
+	echo "make test: serial tests exit $$serial, the others exit $$status"; \
 	test $$serial -eq 0 -a $$status -eq 0
 
 bench: $(STAMP)

@@ -44,9 +44,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "procs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.processes)
-        if any(item.get_closest_marker(m) for m in ("processes", "integration")):
+        if item.get_closest_marker("processes") and not item.get_closest_marker("integration"):
             # make test runs the serial tests one at a time in one pytest, the others in
-            # a second pytest beside it (Makefile).
+            # a second pytest beside it (Makefile). Trainer-stack tests go beside them:
+            # they start processes but assert no wall-clock bound, and they are a fifth
+            # of the serial run's time.
             item.add_marker(pytest.mark.serial)
         bound = item.get_closest_marker("timeout")
         if bound is not None and bound.args and TIME_SCALE != 1:  # a test's own bound moves too

@@ -62,10 +62,43 @@ def test_arms_differ_as_the_issue_asks() -> None:
     ({"arms": ("rackmend", "nonsense")}, "nonsense"),
     ({"duration_s": None}, "duration_s"),
     ({"link": LinkPlan(jitter=2.0)}, "jitter"),
+    ({"lr_schedule": "cosine"}, "set max_steps"),
+    ({"lr_schedule": "linear"}, "lr_schedule"),
+    ({"max_steps": 10, "warmup_steps": 10}, "warmup_steps"),
+    ({"lr_final": 2.0}, "lr_final"),
 ])
 def test_bad_settings_say_what_to_change(changes: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         RunSettings(**changes)
+
+
+def test_the_cosine_schedule_reaches_the_inner_optimizer_step_by_step() -> None:
+    """Warm-up, then a half cosine ending at lr_final x lr on the last step; train_steps
+    moves the optimizer's learning rate after every inner step."""
+    import torch
+
+    from rackmend.demo.threads import thread_settings
+    from rackmend.demo.worker import train_steps
+
+    s = thread_settings(steps=40, lr=0.01, lr_schedule="cosine", warmup_steps=4, lr_final=0.2)
+    class Fit(torch.nn.Linear):  # train_steps calls model(x, y) for the loss
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return torch.nn.functional.mse_loss(super().forward(x), y)
+
+    model = Fit(3, 1)
+    inner = torch.optim.AdamW(model.parameters(), lr=s.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, s.lr_factor)
+    used = [inner.param_groups[0]["lr"]]  # LambdaLR sets the first step's rate when built
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    steps = train_steps(model, inner, None, lambda: (x, y), 8, max_steps=s.max_steps, schedule=schedule,
+                        on_step=lambda d: used.append(inner.param_groups[0]["lr"]))
+    used = used[:steps]  # the rate of each step taken (the last entry is the one after the run)
+    assert steps == 40 and len(used) == 40
+    assert used[:4] == pytest.approx([0.0025, 0.005, 0.0075, 0.01])
+    assert used[4] == pytest.approx(0.01) and used[-1] == pytest.approx(0.002)
+    assert all(a >= b for a, b in zip(used[4:], used[5:])), "the cosine part must only fall"
+    constant = thread_settings(steps=40)
+    assert {constant.lr_factor(i) for i in range(40)} == {1.0}
 
 
 def test_loss_interpolation() -> None:

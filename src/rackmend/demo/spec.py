@@ -8,8 +8,9 @@ one learner process, ``report`` turns the measurements into files.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rackmend.config import (
     HEARTBEAT_TIMEOUT_S,
@@ -34,6 +35,8 @@ __all__ = [
     "config_to_dict",
     "config_from_dict",
 ]
+
+LrSchedule = Literal["constant", "cosine"]
 
 ARMS = ("data-parallel", "diloco", "rackmend", "rackmend-int4", "local")
 """Every arm, in the order they run and are reported."""
@@ -145,7 +148,18 @@ class RunSettings:
     """Sequences per learner step."""
 
     lr: float = 3e-3
-    """Inner AdamW learning rate."""
+    """Inner AdamW learning rate (the peak of ``lr_schedule``)."""
+
+    lr_schedule: LrSchedule = "constant"
+    """The inner learning rate over each learner's steps: ``constant`` keeps ``lr``;
+    ``cosine`` rises linearly over ``warmup_steps``, then falls along a half cosine to
+    ``lr_final`` x ``lr`` at the learner's last step, so it needs ``max_steps``."""
+
+    warmup_steps: int = 0
+    """Steps of the ``cosine`` schedule's linear warm-up (0: none)."""
+
+    lr_final: float = 0.1
+    """The ``cosine`` schedule's learning rate at the last step, as a fraction of ``lr``."""
 
     seed: int = 0
     """Seed of the model initialisation, the data streams and the link jitter."""
@@ -194,6 +208,13 @@ class RunSettings:
         for name in ("batch_size", "evals"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(self.lr_schedule in ("constant", "cosine"),
+               f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        _check(self.lr_schedule == "constant" or self.max_steps is not None,
+               "lr_schedule='cosine' decays over each learner's max_steps: set max_steps")
+        _check(0 <= self.warmup_steps < (self.max_steps or self.warmup_steps + 1),
+               f"warmup_steps must be >= 0 and below max_steps ({self.max_steps}), got {self.warmup_steps}")
+        _check(0 <= self.lr_final <= 1, f"lr_final is a fraction of lr, from 0 to 1; got {self.lr_final}")
         _check(self.min_step_s >= 0, f"min_step_s must be >= 0 seconds (0: unpaced), got {self.min_step_s}")
         unknown = [a for a in self.arms if a not in ARMS]
         _check(bool(self.arms) and not unknown, f"arms {unknown or '()'} not known; choose from {', '.join(ARMS)}")
@@ -206,6 +227,17 @@ class RunSettings:
     def __post_init__(self) -> None:
         self.arms = tuple(self.arms)
         self.validate()
+
+    def lr_factor(self, done: int) -> float:
+        """The inner learning rate of the step after ``done`` steps, as a fraction of
+        ``lr`` (``torch.optim.lr_scheduler.LambdaLR``'s function)."""
+        if self.lr_schedule == "constant":
+            return 1.0
+        if done < self.warmup_steps:
+            return (done + 1) / self.warmup_steps
+        assert self.max_steps is not None  # validate()
+        progress = min(1.0, (done - self.warmup_steps) / max(1, self.max_steps - 1 - self.warmup_steps))
+        return self.lr_final + (1 - self.lr_final) * 0.5 * (1 + math.cos(math.pi * progress))
 
     @property
     def learner_ids(self) -> list[str]:

@@ -90,13 +90,15 @@ def train_steps(model: torch.nn.Module, inner: torch.optim.Optimizer, opt: Rackm
                 batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], tokens: int, *,
                 max_steps: int | None, stop_at: float | None = None, min_step_s: float = 0.0,
                 slow: tuple[float, float, float] | None = None, delay: Callable[[int], float] | None = None,
+                schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
                 on_step: Callable[[StepDone], None] | None = None) -> int:
     """A learner's training loop, shared by the process worker and the thread runner
     (``rackmend.demo.threads``): inner step, pacing, rackmend's bookkeeping (none when
     ``opt`` is None). Stops after ``max_steps`` or at ``stop_at`` (``time.monotonic``);
     one of them must be set. Each step lasts at least ``min_step_s``; inside the
     ``slow`` window ``(from, until, factor)`` it takes ``factor`` times its compute;
-    ``delay(step)`` seconds more are slept after it. Returns the steps made."""
+    ``delay(step)`` seconds more are slept after it; ``schedule`` steps after each inner
+    step. Returns the steps made."""
     if max_steps is None and stop_at is None:
         raise ValueError("give max_steps or stop_at: otherwise the loop never ends")
     step = 0
@@ -107,6 +109,8 @@ def train_steps(model: torch.nn.Module, inner: torch.optim.Optimizer, opt: Rackm
         inner.zero_grad(set_to_none=True)
         loss.backward()
         inner.step()
+        if schedule is not None:
+            schedule.step()
         b = time.perf_counter()
         if b - a < min_step_s:
             time.sleep(min_step_s - (b - a))
@@ -168,7 +172,8 @@ def run(run_dir: Path, index: int) -> int:
 
     try:
         step = train_steps(model, inner, opt, lambda: corpus.batch(g, s.batch_size, s.model.block_size), tokens,
-                           max_steps=s.max_steps, stop_at=stop_at, min_step_s=s.min_step_s, slow=slow, on_step=write)
+                           max_steps=s.max_steps, stop_at=stop_at, min_step_s=s.min_step_s, slow=slow,
+                           schedule=torch.optim.lr_scheduler.LambdaLR(inner, s.lr_factor), on_step=write)
     finally:
         if opt is not None:
             opt.close()

@@ -1,0 +1,291 @@
+"""Training quality over a long horizon (150 outer rounds and more) at two model sizes,
+and the ablation that finds why rackmend's gap to data-parallel grows with the horizon.
+
+Runbook:
+
+- ``python benchmarks/quality_long.py`` runs every arm at both sizes over three seeds
+  (hours on 2 cores; the progress bar gives the time left); ``--quick`` is a smoke run
+  of a few minutes (12 rounds, one seed, the small size).
+- ``--section ablation`` switches each suspected cause of the gap off alone, on the
+  small model (``--ablation-rounds``, default 75).
+- Every finished run is kept in ``benchmarks/results/quality-long-runs.jsonl``, keyed
+  by everything that decides its number: an interrupted run goes on where it stopped,
+  and the matrix can be filled over several sessions (``--sizes``, ``--seeds``,
+  ``--arms`` pick a part). ``--fresh`` ignores what is kept.
+
+Writes ``benchmarks/results/quality-long.json`` (its RESULT: ``gap_dp_small``,
+``gap_dp_large``: rackmend's defaults against data-parallel at equal tokens, as a
+fraction, median over seeds; ``rounds``), plots of held-out loss against tokens per
+size and of the gap against rounds (``quality-long-*.png``), and prints a table.
+
+The arms are those of ``benchmarks/quality.py`` (every learner its own stream of
+random windows of the same corpus; all train the same total tokens; deterministic
+mode but ``rackmend-async``), plus classic DiLoCo at outer lr 0.4. Every arm trains
+with the same inner schedule: AdamW at peak lr 3e-3, linear warm-up over the first
+2 % of each learner's steps, then a half cosine down to 10 % of the peak at its last
+step (``--lr-schedule constant`` keeps 3e-3 throughout, the setting of the short
+benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from _common import RESULTS, finish, parser
+from quality import H_DEFAULT, bootstrap, config, outer
+from rackmend.config import RackmendConfig
+from rackmend.demo.threads import thread_settings, train_arm
+from rackmend.workloads import ByteCorpus, GPTConfig
+
+M = 4
+SIZES = {"small": GPTConfig(), "large": GPTConfig(n_layer=8, n_embd=256)}
+"""The demo GPT (1.29 M parameters) and one 5x its size (6.40 M), same tokenizer."""
+RUNS = RESULTS / "quality-long-runs.jsonl"
+
+
+def arms(H: int) -> dict[str, tuple[RackmendConfig, int]]:
+    """Arm name -> (config, number of learners)."""
+    return {
+        "data-parallel": (config(M, 1, 1, 0, weighting="uniform", **outer(1.0, 0.0)), M),
+        "alone": (config(1, H, 1, 0, **outer(1.0, 0.0)), 1),
+        "averaging": (config(M, H, 1, 0, **outer(1.0, 0.0)), M),
+        "diloco-0.7": (config(M, H, 1, 0, **outer(0.7, 0.9)), M),
+        "diloco-0.4": (config(M, H, 1, 0, **outer(0.4, 0.9)), M),
+        "rackmend": (config(M, H, 4, 2), M),
+        "rackmend-async": (config(M, H, 4, 2, deterministic=False), M),
+    }
+
+
+def ablations() -> dict[str, tuple[str, RackmendConfig, int]]:
+    """Variant -> (schedule, config, learners): each switches one suspected cause of
+    the gap off (or on) against rackmend's defaults under the cosine schedule; one
+    learner alone and Streaming DiLoCo's outer step (Nesterov, lr 0.4, momentum 0.9) on
+    rackmend's schedule are there to compare with."""
+    base = arms(H_DEFAULT)
+    return {
+        "data-parallel, constant lr": ("constant", *base["data-parallel"]),
+        "rackmend, constant lr": ("constant", *base["rackmend"]),
+        "data-parallel": ("cosine", *base["data-parallel"]),
+        "rackmend": ("cosine", *base["rackmend"]),
+        "rackmend, H=4": ("cosine", config(M, 4, 4, 2), M),
+        "rackmend, H=8": ("cosine", config(M, 8, 4, 2), M),
+        "rackmend, Adam moments averaged every merge": (
+            "cosine", replace(base["rackmend"][0], schedule=replace(base["rackmend"][0].schedule, desloc=True,
+                                                                     desloc_ku=H_DEFAULT, desloc_kv=H_DEFAULT)), M),
+        "averaging (P=1, tau=0)": ("cosine", *base["averaging"]),
+        "rackmend, outer Nesterov lr 0.4, momentum 0.9": ("cosine", config(M, H_DEFAULT, 4, 2, **outer(0.4, 0.9)), M),
+        "alone": ("cosine", *base["alone"]),
+    }
+
+
+def key(size: str, seed: int, steps: int, schedule: str, cfg: RackmendConfig, learners: int) -> str:
+    """Everything that decides a run's number, not its label: an ablation variant equal
+    to an arm reuses the arm's runs, and a changed default (the config's repr) makes a
+    new run, not a stale one."""
+    return json.dumps({"size": size, "model": asdict(SIZES[size]), "seed": seed, "steps": steps, "learners": learners,
+                       "schedule": schedule, "config": repr(cfg)}, sort_keys=True)
+
+
+class Runs:
+    """The runs kept on disk, one JSON line each; a run is trained only when missing."""
+
+    def __init__(self, path: Path, fresh: bool) -> None:
+        self.path = path
+        self.done: dict[str, dict[str, Any]] = {}
+        if path.exists() and not fresh:
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.done[row["key"]] = row
+
+    def get(self, k: str, train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if k not in self.done:
+            row = {"key": k, **train()}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.done[k] = row
+        return self.done[k]
+
+
+def trainer(cfg: RackmendConfig, learners: int, steps: int, seed: int, size: str, schedule: str,
+            corpus: ByteCorpus, bar: tqdm, evals: int) -> Callable[[], dict[str, Any]]:
+    def train() -> dict[str, Any]:
+        s = thread_settings(learners=learners, steps=steps, seed=seed, evals=evals, model=SIZES[size],
+                            lr_schedule=schedule, warmup_steps=max(1, steps // 50))
+        t0 = time.perf_counter()
+        r = train_arm(size, cfg, s, corpus, progress=bar)
+        return {"points": r.points, "loss": r.points[-1][2], "wall_s": time.perf_counter() - t0,
+                "merges": r.merges, "guard_events": r.guard_events}
+    return train
+
+
+def loss_at(points: list[list[float]], tokens: float) -> float:
+    """Held-out loss at ``tokens``, linearly interpolated between evaluations."""
+    for (t0, _, l0), (t1, _, l1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0) if t1 > t0 else l1
+    return points[-1][2]
+
+
+def gap_curve(runs: list[dict[str, Any]], dp: list[dict[str, Any]], H: int, tokens_per_round: float) -> list[
+        tuple[float, float]]:
+    """(outer rounds, median over seeds of loss / data-parallel's loss - 1) at each of
+    the arm's evaluations, data-parallel read at the same tokens."""
+    out = []
+    for i, (tokens, _, _) in enumerate(runs[0]["points"][1:], start=1):
+        gaps = [r["points"][i][2] / loss_at(d["points"], r["points"][i][0]) - 1 for r, d in zip(runs, dp)]
+        out.append((tokens / tokens_per_round, statistics.median(gaps)))
+    return out
+
+
+def plot(path: Path, title: str, curves: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, pts in curves.items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], seeds: list[int], rounds: int,
+                 schedule: str, corpus: ByteCorpus, evals: int) -> dict[str, Any]:
+    steps = rounds * H_DEFAULT
+    table = arms(H_DEFAULT)
+    plan = [(size, name, seed) for size in sizes for name in names for seed in seeds]
+    todo = sum(steps * M for size, name, seed in plan
+               if key(size, seed, steps * M // table[name][1], schedule, *table[name]) not in runs.done)
+    out: dict[str, Any] = {}
+    with tqdm(total=todo, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
+        for size, name, seed in plan:
+            cfg, learners = table[name]
+            per_learner = steps * M // learners
+            row = runs.get(key(size, seed, per_learner, schedule, cfg, learners),
+                           trainer(cfg, learners, per_learner, seed, size, schedule, corpus, bar, evals))
+            out.setdefault(size, {}).setdefault(name, []).append(row)
+    tokens_per_round = M * H_DEFAULT * thread_settings(steps=1).batch_size * SIZES["small"].block_size
+    summary: dict[str, Any] = {}
+    for size, by_arm in out.items():
+        print(f"\n{size} model ({sum(p.numel() for p in _params(size)) / 1e6:.2f} M parameters): "
+              f"{rounds} rounds of H={H_DEFAULT}, M={M}, seeds {seeds}, {schedule} inner lr")
+        print(f"{'arm':<16} {'median':>8} {'95% interval':>18} {'vs DP':>8}  per seed")
+        dp = by_arm.get("data-parallel")
+        rows = {}
+        for name, rs in by_arm.items():
+            losses = [r["loss"] for r in rs]
+            lo, hi = bootstrap(losses)
+            gaps = [r["loss"] / d["loss"] - 1 for r, d in zip(rs, dp)] if dp else []
+            rows[name] = {"losses": losses, "median": statistics.median(losses), "interval": [lo, hi],
+                          "gap_dp": statistics.median(gaps) if gaps else None, "gaps_dp": gaps,
+                          "wall_s": [r["wall_s"] for r in rs], "guard_events": sum(r["guard_events"] for r in rs)}
+            if dp:
+                rows[name]["gap_curve"] = gap_curve(rs, dp, H_DEFAULT, tokens_per_round)
+            vs_dp = f"{rows[name]['gap_dp']:+.1%}" if gaps else "-"
+            print(f"{name:<16} {rows[name]['median']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>18} {vs_dp:>8}  "
+                  + " ".join(f"{x:.3f}" for x in losses))
+        summary[size] = rows
+        curves = {name: [(p[0] / tokens_per_round, statistics.median(r["points"][i][2] for r in rs))
+                         for i, p in enumerate(rs[0]["points"])] for name, rs in by_arm.items()}
+        plot(outdir / f"quality-long-{size}.png", f"{size} GPT, M={M}, H={H_DEFAULT}: held-out loss (median of "
+             f"{len(seeds)} seeds)", curves, "outer rounds (equal tokens across arms)", "held-out loss")
+        if dp:
+            plot(outdir / f"quality-long-{size}-gap.png", f"{size} GPT: loss / data-parallel's - 1 at equal tokens",
+                 {n: r["gap_curve"] for n, r in rows.items() if n != "data-parallel"}, "outer rounds", "gap")
+    return summary
+
+
+def _params(size: str) -> list[torch.Tensor]:
+    from rackmend.workloads import GPT
+    return list(GPT(SIZES[size]).parameters())
+
+
+def section_ablation(outdir: Path, runs: Runs, seeds: list[int], rounds: int, corpus: ByteCorpus,
+                     evals: int) -> dict[str, Any]:
+    steps = rounds * H_DEFAULT
+    variants = ablations()
+    todo = sum(steps * M for sched, cfg, learners in variants.values() for seed in seeds
+               if key("small", seed, steps * M // learners, sched, cfg, learners) not in runs.done)
+    rows: dict[str, Any] = {}
+    with tqdm(total=todo, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
+        for name, (sched, cfg, learners) in variants.items():
+            per_learner = steps * M // learners
+            rows[name] = [runs.get(key("small", seed, per_learner, sched, cfg, learners),
+                                   trainer(cfg, learners, per_learner, seed, "small", sched, corpus, bar, evals))
+                          for seed in seeds]
+    tokens_per_round = M * H_DEFAULT * thread_settings(steps=1).batch_size * SIZES["small"].block_size
+    print(f"\nablation, small model, {rounds} rounds at H={H_DEFAULT} (equal tokens), seeds {seeds}")
+    print(f"{'variant':<46} {'loss':>7} {'vs DP':>8}   gap at 1/4, 1/2, 3/4, all of the run")
+    out: dict[str, Any] = {}
+    for name, rs in rows.items():
+        sched = variants[name][0]
+        dp = rows["data-parallel, constant lr" if sched == "constant" else "data-parallel"]
+        curve = gap_curve(rs, dp, H_DEFAULT, tokens_per_round)
+        loss = statistics.median(r["loss"] for r in rs)
+        quarter = [curve[round(len(curve) * q) - 1][1] for q in (0.25, 0.5, 0.75, 1.0)]
+        out[name] = {"schedule": sched, "losses": [r["loss"] for r in rs], "loss": loss, "gap_curve": curve}
+        print(f"{name:<46} {loss:>7.3f} {curve[-1][1]:>+8.1%}   " + ", ".join(f"{g:+.1%}" for g in quarter))
+    plot(outdir / "quality-long-ablation.png", "ablation (small GPT): loss / data-parallel's - 1 at equal tokens",
+         {n: r["gap_curve"] for n, r in out.items() if not n.startswith("data-parallel")}, "outer rounds", "gap")
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--section", choices=("all", "arms", "ablation"), default="arms")
+    p.add_argument("--rounds", type=int, default=None, help="outer rounds at H=16 (default 150; quick 12)")
+    p.add_argument("--ablation-rounds", type=int, default=None, help="rounds of the ablation (default 75; quick 12)")
+    p.add_argument("--sizes", default=None, help="comma-separated, from small,large (default both; quick small)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
+    p.add_argument("--arms", default="", help="comma-separated arms (default: all)")
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="the inner schedule of the arms section (default cosine)")
+    p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (default 10)")
+    p.add_argument("--fresh", action="store_true", help=f"train every run again, ignoring {RUNS.name}")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rounds = args.rounds or (12 if args.quick else 150)
+    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
+    sizes = (args.sizes or ("small" if args.quick else "small,large")).split(",")
+    names = [a for a in args.arms.split(",") if a] or list(arms(H_DEFAULT))
+    unknown = [s for s in sizes if s not in SIZES] + [a for a in names if a not in arms(H_DEFAULT)]
+    if unknown:
+        p.error(f"unknown sizes or arms {unknown}: sizes are {', '.join(SIZES)}, arms {', '.join(arms(H_DEFAULT))}")
+    outdir = args.out.parent if args.out else RESULTS
+    outdir.mkdir(parents=True, exist_ok=True)
+    runs = Runs(args.out.with_name(args.out.stem + "-runs.jsonl") if args.out else RUNS, args.fresh)
+    corpus = ByteCorpus()
+    out: dict[str, Any] = {"inputs": {"rounds": rounds, "H": H_DEFAULT, "M": M, "seeds": seeds, "sizes": sizes,
+                                      "models": {s: asdict(SIZES[s]) for s in sizes}, "schedule": args.lr_schedule}}
+    result: dict[str, Any] = {"rounds": rounds}
+    if args.section in ("all", "arms"):
+        out["arms"] = section_arms(outdir, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus, args.evals)
+        for size, rows in out["arms"].items():
+            if rows.get("rackmend", {}).get("gap_dp") is not None:
+                result[f"gap_dp_{size}"] = rows["rackmend"]["gap_dp"]
+    if args.section in ("all", "ablation"):
+        ab_rounds = args.ablation_rounds or (12 if args.quick else 75)
+        out["ablation"] = section_ablation(outdir, runs, seeds, ab_rounds, corpus, args.evals)
+        result["ablation_rounds"] = ab_rounds
+    finish("quality-long" if args.section != "ablation" else "quality-long-ablation", args.out, out, result)
+
+
+if __name__ == "__main__":
+    main()
