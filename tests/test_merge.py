@@ -11,7 +11,7 @@ import torch
 
 from rackmend.config import ConfigError
 from rackmend.core import contribution_weight, merge_deltas, normalized_weights
-from rackmend.core.merge import run_jobs
+from rackmend.core.merge import run_jobs, staleness_scale
 
 
 def test_weight_formulas_by_hand() -> None:
@@ -22,6 +22,27 @@ def test_weight_formulas_by_hand() -> None:
     assert contribution_weight("tokens_sq_per_step", 5, 0) == 0.0
     with pytest.raises(ConfigError, match="weighting"):
         contribution_weight("bogus", 1, 1)
+
+
+def test_staleness_scale_is_cgads_sigma() -> None:
+    """sigma(tau) = gamma(tau) * exp(-alpha * tau), gamma the cosine gate to 0 at tau_c."""
+    # Off (decay 0, no cutoff): exactly 1 at any age; fresh work: exactly 1 with any setting.
+    assert all(staleness_scale(tau, 0.0, None) == 1.0 for tau in range(10))
+    assert staleness_scale(0, 0.7, None) == 1.0 and staleness_scale(0, 0.7, 3) == 1.0
+    assert staleness_scale(0, 0.0, 1) == 1.0
+    # The decay alone, the gate alone, both.
+    assert staleness_scale(2, 0.5, None) == pytest.approx(math.exp(-1.0), rel=1e-15)
+    assert staleness_scale(2, 0.0, 4) == pytest.approx(0.5, rel=1e-15)  # half way down the gate
+    assert staleness_scale(1, 0.0, 4) == pytest.approx(0.5 + 0.5 / math.sqrt(2.0), rel=1e-15)
+    for tau in (1, 2, 3):
+        assert staleness_scale(tau, 0.25, 4) == pytest.approx(
+            0.5 * (1.0 + math.cos(math.pi * tau / 4)) * math.exp(-0.25 * tau), rel=1e-15)
+    # 0 at and past the cutoff, with or without a decay.
+    assert [staleness_scale(tau, a, 4) for tau in (4, 5, 100) for a in (0.0, 0.25)] == [0.0] * 6
+    assert staleness_scale(1, 0.3, 1) == 0.0
+    # Falls with age.
+    values = [staleness_scale(tau, 0.1, 6) for tau in range(8)]
+    assert values == sorted(values, reverse=True) and values[0] == 1.0 and values[6] == 0.0
 
 
 def test_tokens_sq_per_step_favours_faster_work() -> None:

@@ -5,6 +5,7 @@ of a real service's log (``read_log``), come back equal after ``to_record()`` an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -97,6 +98,18 @@ def test_the_service_events_have_names_of_their_own() -> None:
     core = {k.event for k in _all_kinds(SyncerRecord)} | set(FAILSLOW_EVENTS.values())
     service = [k.event for k in _all_kinds(ServiceEvent, leave_out=type(None))]
     assert len(service) == len(set(service)) >= 20 and not core & set(service)
+
+
+def test_a_merge_line_without_cgad_scales_reads_back() -> None:
+    """``stale_scales`` (CGAD on) is left out of the line when None, so merge lines stay
+    as they were with CGAD off and lines written before it read back."""
+    record = dataclasses.replace(_example(Merged), stale_scales=None)
+    line = json.loads(json.dumps(record.to_record()))
+    assert "stale_scales" not in line and list(line)[:7] == ["event", "t", "fragment", "round", "version", "merged",
+                                                              "absent"]
+    assert from_record(line) == record
+    scaled = dataclasses.replace(record, stale_scales={"b": 0.25})
+    assert _roundtrip(scaled) == scaled and list(scaled.to_record()).index("stale_scales") == 8
 
 
 def test_a_guarded_moments_round_comes_back() -> None:

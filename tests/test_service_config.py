@@ -141,6 +141,24 @@ def test_init_timeout_option_reaches_the_service() -> None:
         ServiceConfig(init_timeout=0)
 
 
+def test_cgad_options_reach_the_config(tmp_path: Path) -> None:
+    default = build(resolve(parse(), {}))[0].syncer
+    assert (default.staleness_decay, default.staleness_cutoff) == (0.0, None)
+    config, _ = build(resolve(parse("--staleness-decay", "0.25", "--staleness-cutoff", "3"), {}))
+    assert (config.syncer.staleness_decay, config.syncer.staleness_cutoff) == (0.25, 3)
+    assert build(resolve(parse(*config_flags(config)), {}))[0] == config  # and back to flags
+    f = tmp_path / "syncer.toml"
+    f.write_text("staleness_decay = 0.5\nstaleness_cutoff = 2\n")
+    syncer = build(resolve(parse("--config", str(f)), {"RACKMEND_STALENESS_CUTOFF": "4"}))[0].syncer
+    assert (syncer.staleness_decay, syncer.staleness_cutoff) == (0.5, 4)  # environment over file
+    with pytest.raises(ConfigError, match="staleness_cutoff"):
+        build(resolve(parse("--staleness-cutoff", "0"), {}))
+    with pytest.raises(ConfigError, match="staleness_decay"):
+        build(resolve(parse("--staleness-decay", "-1"), {}))
+    with pytest.raises(ConfigError, match="--staleness-cutoff"):  # a whole number of versions
+        resolve(parse("--staleness-cutoff", "2.5"), {})
+
+
 def test_count_absent_is_on_by_default_and_can_be_turned_off() -> None:
     assert build(resolve(parse(), {}))[0].syncer.count_absent is True
     assert build(resolve(parse("--count-absent", "false"), {}))[0].syncer.count_absent is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from rackmend.core import (
     TensorSpec,
     Tick,
 )
+from rackmend.core.merge import staleness_scale
 from rackmend.core.rounds import Phase
 from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.core.records import Merged, Rejected, Superseded, SyncerRecord
@@ -281,6 +284,102 @@ def test_syncer_anchoring_reanchors_stale_gradients() -> None:
     # learner_base: -1 - (1 + 1)/2 = -2. syncer: b re-anchored: 1 + (-1 - 0) = 0 -> -1 - (1 + 0)/2 = -1.5
     assert torch.equal(run("learner_base"), torch.full((N,), -2.0))
     assert torch.equal(run("syncer"), torch.full((N,), -1.5))
+
+
+def _stale_round(tau: int, fresh: float = 0.0, **cgad) -> tuple[torch.Tensor, dict]:
+    """Learner a alone makes versions 1..tau (outer SGD lr 1, no momentum: theta = -tau);
+    b then sends 5.0 based on version 0 (tau versions behind, re-anchored to 5 - tau)
+    and a sends ``fresh`` on the current version, equal weights, nobody counted absent.
+    Returns how far that last round moved the value, and its merge record."""
+    core = make_core(learners=("a", "b"), K=1, grace_max=0.0, count_absent=False, **cgad)
+    for r in range(tau):
+        (m,) = merges(core.handle(contrib("a", 1.0, base=r, step=8 * (r + 1)), float(r)))
+        assert m["stale"] == [] and "stale_scales" not in m
+    # Fresh work alone is never scaled: each of those rounds moved the value by exactly -1.
+    assert torch.equal(core.frags[0].theta[0], torch.full((N,), -float(tau)))
+    assert merges(core.handle(contrib("b", 5.0, base=0), 10.0)) == []  # stale: waits for a fresh one
+    (m,) = merges(core.handle(contrib("a", fresh, base=tau, step=8 * (tau + 1)), 11.0))
+    assert m["merged"] == ["a", "b"] and m["stale"] == ["b"] and m["weights"] == {"a": 0.5, "b": 0.5}
+    return core.frags[0].theta[0] + tau, m
+
+
+@pytest.mark.parametrize("tau,decay,cutoff", [(1, 0.5, None), (2, 0.25, 4), (3, 0.0, 4), (2, 0.1, 6)])
+def test_cgad_moves_the_value_by_sigma_times_a_stale_contribution(tau: int, decay: float, cutoff) -> None:
+    sigma = 0.5 * (1 + math.cos(math.pi * tau / cutoff)) * math.exp(-decay * tau) if cutoff else math.exp(-decay * tau)
+    assert staleness_scale(tau, decay, cutoff) == pytest.approx(sigma, rel=1e-15)
+    off, m_off = _stale_round(tau)
+    on, m_on = _stale_round(tau, staleness_decay=decay, staleness_cutoff=cutoff)
+    # By hand: b's re-anchored outer gradient is 5 - tau, at weight 1/2; a's is 0.
+    assert torch.equal(off, torch.full((N,), -(5.0 - tau) / 2))
+    assert on.tolist() == pytest.approx([-sigma * (5.0 - tau) / 2] * N, rel=1e-6)
+    assert on.tolist() == pytest.approx((sigma * off).tolist(), rel=1e-6)
+    assert "stale_scales" not in m_off and m_on["stale_scales"] == {"b": pytest.approx(sigma, rel=1e-15)}
+    assert m_on["weights"] == m_off["weights"]  # the weights are not renormalised
+
+
+def test_cgad_past_the_cutoff_counts_as_a_zero_at_its_weight() -> None:
+    # a's fresh 1.0 and b's re-anchored 3.0 at weight 1/2 each; past the cutoff b's is 0,
+    # and still takes its half of the weight: the round moves by 1/2, not by a's 1.
+    off, _ = _stale_round(2, fresh=1.0)
+    on, m = _stale_round(2, fresh=1.0, staleness_decay=0.3, staleness_cutoff=2)
+    assert torch.equal(off, torch.full((N,), -2.0))
+    assert torch.equal(on, torch.full((N,), -0.5))
+    assert m["stale_scales"] == {"b": 0.0}
+
+
+def test_cgad_off_is_bit_identical_to_the_defaults() -> None:
+    """staleness_decay=0 and no cutoff, spelt out, merge as the defaults do, bit for bit,
+    with stale and absent-counted work in the rounds."""
+    def run(**cgad) -> tuple[list[torch.Tensor], list[dict]]:
+        core = make_core(P=2, K=1, grace_max=0.0, **cgad)
+        records = []
+        sends = [("a", 0.3, 0, 0), ("b", -1.7, 0, 0), ("a", 0.9, 1, 0), ("c", 2.1, 0, 1), ("a", 0.1, 0, 1),
+                 ("b", 0.45, 1, 0), ("a", -0.6, 2, 0), ("c", 1.3, 1, 0), ("b", 0.7, 3, 0), ("c", -0.2, 1, 1),
+                 ("a", 0.25, 1, 1)]
+        for k, (lid, value, base, p) in enumerate(sends):
+            records += merges(core.handle(contrib(lid, value, base=base, step=8 * (k + 1), p=p), float(k)))
+        return [t.clone() for f in core.frags for t in f.theta], records
+
+    (theta, records), (theta_off, records_off) = run(), run(staleness_decay=0.0, staleness_cutoff=None)
+    assert any(r["stale"] for r in records) and any(r["absent_share"] > 0 for r in records)
+    assert all(torch.equal(x, y) for x, y in zip(theta, theta_off))
+    assert records == records_off and not any("stale_scales" in r for r in records)
+
+
+def test_cgad_leaves_buffers_at_the_weighted_mean() -> None:
+    """A floating buffer (BatchNorm statistic) becomes the weighted mean of the learners'
+    values, stale or not: CGAD scales the parameters' outer gradients only."""
+    def run(**cgad) -> list[torch.Tensor]:
+        config = RackmendConfig(
+            schedule=ScheduleConfig(sync_every=8, num_fragments=1, overlap=2),
+            syncer=SyncerConfig(min_quorum=1, learners=("a", "b"), grace_max=0.0, outer_optimizer="SGD",
+                                outer_lr=1.0, outer_kwargs={}, count_absent=False, **cgad),
+        )
+        spec = FragmentSpec(0, 0, (TensorSpec("w", (N,), torch.float32),
+                                   TensorSpec("stat", (N,), torch.float32, is_buffer=True)))
+        core = SyncerCore(config, [spec], [[torch.zeros(N), torch.zeros(N)]])
+        for lid in ("a", "b"):
+            core.handle(LearnerJoined(lid), 0.0)
+
+        def send(lid: str, w: float, stat: float, base: int, step: int, now: float) -> list:
+            # A buffer's delta is Theta_b - b_m: the learner's value b_m is Theta_b - delta.
+            return core.handle(ContributionArrived(Contribution(
+                lid, 0, base, step, 8, 8.0, 0.0, (torch.full((N,), w), torch.full((N,), stat)))), now)
+
+        send("a", 1.0, -2.0, 0, 8, 0.0)  # version 1: w = -1, stat = 2 (a's value)
+        send("b", 3.0, -6.0, 0, 8, 1.0)  # one version behind: waits
+        (m,) = merges(send("a", 0.0, 0.0, 1, 16, 2.0))
+        assert m["stale"] == ["b"]
+        return [t.clone() for t in core.frags[0].theta]
+
+    (w_off, stat_off), (w_on, stat_on) = run(), run(staleness_decay=0.5, staleness_cutoff=4)
+    sigma = staleness_scale(1, 0.5, 4)
+    # w: b's 3.0 re-anchored to 2.0, half the weight: -1 - 1 = -2 off, -1 - sigma on.
+    assert torch.equal(w_off, torch.full((N,), -2.0))
+    assert w_on.tolist() == pytest.approx([-1.0 - sigma] * N, rel=1e-6)
+    # stat: b's 6.0 re-anchored on the current 2.0 (delta -6 + 2 - 0 = -4, value 6)
+    # and a's 2.0 averaged: 4.0, scaled by nothing.
+    assert torch.equal(stat_off, torch.full((N,), 4.0)) and torch.equal(stat_on, stat_off)
 
 
 def test_stale_contributions_alone_never_open_a_round() -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,6 +361,32 @@ class SyncerConfig:
     max_staleness: int = 4
     """Contributions more than this many versions behind are dropped (logged)."""
 
+    staleness_decay: float = 0.0
+    """CGAD's alpha (Cosine-Gated Adam-Decay, arXiv 2605.09126): the outer gradient of a
+    contribution ``tau`` versions behind its fragment's current version (counted per
+    fragment, the paper's PA-CGAD) is multiplied by ``exp(-staleness_decay * tau)``, times
+    the gate of ``staleness_cutoff``, before it is merged. The merge weights are not
+    renormalised, so a stale contribution moves the value less and the fresh ones do not
+    move it more. Fresh contributions (``tau`` = 0) and buffers (BatchNorm statistics,
+    set to the weighted mean) are never scaled. 0 with ``staleness_cutoff`` unset (the
+    default) is off: every contribution counts in full, as before. It matters only in
+    asynchronous runs; deterministic mode has no stale contributions. The paper pairs it
+    with ``outer_optimizer="Adam"`` (and reduces to plain Adam at ``tau`` = 0). With
+    ``anchoring="syncer"`` a stale contribution is already rebased onto the current
+    value; CGAD then trusts that rebased work less. Each merge logs the scales it
+    applied (``stale_scales``); docs/algorithm.md describes it."""
+
+    staleness_cutoff: int | None = None
+    """CGAD's cosine gate ``tau_c`` in versions: the outer gradient of a contribution
+    ``tau`` versions behind is also multiplied by ``0.5 * (1 + cos(pi * tau /
+    staleness_cutoff))`` below the cutoff and by 0 at or beyond it (a zero at its usual
+    weight, like an absent learner's). None (the default): no gate. Contributions more
+    than ``max_staleness`` behind are refused before the merge, so a cutoff above
+    ``max_staleness`` + 1 never zeroes one and only softens the scale of those accepted;
+    a cutoff at or below ``max_staleness`` zeroes accepted work, which still takes its
+    share of the weight and so damps the round (lower ``max_staleness`` to refuse such
+    work instead). Asynchronous runs only, like ``staleness_decay``."""
+
     count_absent: bool = True
     """In a round that closes without every connected learner, count each missing one
     whose work went into one of this fragment's last ``max_staleness`` versions (a
@@ -471,6 +498,16 @@ class SyncerConfig:
         _check(0 <= self.ema_decay < 1, f"ema_decay must lie in [0, 1), got {self.ema_decay}")
         _check_choices(self)
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(
+            math.isfinite(self.staleness_decay) and self.staleness_decay >= 0,
+            f"staleness_decay must be a finite number >= 0 (CGAD's alpha per version; 0 is off), "
+            f"got {self.staleness_decay}",
+        )
+        _check(
+            self.staleness_cutoff is None or self.staleness_cutoff >= 1,
+            f"staleness_cutoff must be None (no gate) or >= 1 versions, got {self.staleness_cutoff}: below 1 even "
+            "fresh contributions would count as zero",
+        )
         _check(
             self.norm_guard == 0 or self.norm_guard >= 1,
             f"norm_guard must be 0 (off) or >= 1 (a multiple of the median norm), got {self.norm_guard}; "

@@ -1,4 +1,5 @@
-"""Contribution weights and the merge of outer gradients (mean and radial-directional).
+"""Contribution weights, CGAD's staleness scale and the merge of outer gradients (mean
+and radial-directional).
 
 Inputs arrive already in canonical order (sorted learner id) and every element is
 summed in that order, so the result does not depend on arrival order. The mean of
@@ -31,8 +32,8 @@ import torch
 from rackmend.buffers import empty_float32, scratch
 from rackmend.config import MERGES, WEIGHTINGS, check_choice
 
-__all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "parallel_ranges",
-           "run_jobs", "ACC_DTYPE", "acc_dtype"]
+__all__ = ["contribution_weight", "merge_weights", "normalized_weights", "merge_deltas", "staleness_scale",
+           "parallel_ranges", "run_jobs", "ACC_DTYPE", "acc_dtype"]
 
 ACC_DTYPE = torch.float64
 """Accumulation dtype of the norms, the radial-directional merge and the pooled variance."""
@@ -106,6 +107,21 @@ def normalized_weights(weights: Sequence[float], absent: float = 0.0) -> list[fl
     if absent > 0.0:
         total += absent
     return [w / total for w in weights]
+
+
+def staleness_scale(tau: int, decay: float, cutoff: int | None) -> float:
+    """CGAD's sigma(tau) = gamma(tau) * exp(-decay * tau) (Cosine-Gated Adam-Decay, arXiv
+    2605.09126): what the outer gradient of a contribution ``tau`` versions behind is
+    multiplied by before the merge (``SyncerConfig.staleness_decay``, ``staleness_cutoff``).
+    The gate gamma(tau) = 0.5 * (1 + cos(pi * tau / cutoff)) falls smoothly from 1 to 0
+    at ``cutoff`` and is 0 from there on; no cutoff: gamma = 1. Exactly 1.0 for a fresh
+    contribution (``tau`` <= 0) and with the option off (``decay`` 0, no cutoff)."""
+    if tau <= 0 or (decay == 0.0 and cutoff is None):
+        return 1.0
+    if cutoff is not None and tau >= cutoff:
+        return 0.0
+    gate = 1.0 if cutoff is None else 0.5 * (1.0 + math.cos(math.pi * tau / cutoff))
+    return gate * math.exp(-decay * tau)
 
 
 _CHUNK = 1 << 18

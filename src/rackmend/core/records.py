@@ -294,6 +294,10 @@ class Merged(SyncerRecord):
     """Expected learners with no work in it, sorted."""
     stale: tuple[str, ...]
     """Merged learners whose work was based on an older version than ``round``."""
+    stale_scales: Mapping[str, float] | None = field(default=None, metadata=OMIT_NONE)
+    """Per ``stale`` learner, the factor CGAD multiplied its outer gradient by
+    (``SyncerConfig.staleness_decay``, ``staleness_cutoff``; 0: counted as a zero);
+    None, and absent from the log line, with CGAD off or nothing stale."""
     weights: Mapping[str, float]
     """Per merged learner, its normalised merge weight."""
     absent_share: float

@@ -49,7 +49,7 @@ from rackmend.core.failslow import (
     StopExpecting,
 )
 from rackmend.core.fragments import FragmentSpec, fragment_problem
-from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights
+from rackmend.core.merge import merge_deltas, merge_weights, normalized_weights, staleness_scale
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.moments import MomentKey, MomentRounds
 from rackmend.core.syncer_fragment import (
@@ -1017,12 +1017,21 @@ class SyncerCore:
             if not ids:
                 frag.round = Round()
                 return
+        spec = frag.spec
+        # CGAD (staleness_decay, staleness_cutoff): a stale contribution's outer gradient is
+        # scaled, its weight is not, so it moves the value less. Buffers are set to the
+        # weighted mean of the learners' values below, so they are never scaled.
+        scales = [staleness_scale(frag.version - c.base_version, sc.staleness_decay, sc.staleness_cutoff)
+                  for c in contribs]
+        anchored = [a if s == 1.0 else [x if t.is_buffer else x * s for x, t in zip(a, spec.tensors)]
+                    for a, s in zip(anchored, scales)]
+        cgad = sc.staleness_decay > 0 or sc.staleness_cutoff is not None
+        stale_scales = {lid: s for lid, s, c in zip(ids, scales, contribs) if c.base_version < frag.version}
         absent_ids = self._absent(p, ids)
         counts = [(c.c_tokens, c.c_steps) for c in contribs] + [self.last_counts[a] for a in absent_ids]
         raw_all = merge_weights(sc.weighting, [t for t, _ in counts], [s for _, s in counts])
         raw, absent_weight = raw_all[: len(ids)], math.fsum(raw_all[len(ids):])
         gains = {lid: c.merge_gain for lid, c in zip(ids, contribs) if c.merge_gain is not None}
-        spec = frag.spec
         merged = merge_deltas(
             anchored,
             raw,
@@ -1065,6 +1074,7 @@ class SyncerCore:
                 merged=tuple(ids),
                 absent=tuple(sorted(expected - set(ids))),
                 stale=tuple(c.learner_id for c in contribs if c.base_version < round_index),
+                stale_scales=stale_scales if cgad and stale_scales else None,
                 weights=dict(zip(ids, normalized_weights(raw, absent_weight))),
                 absent_share=_share(absent_weight, raw),
                 tokens=dict(zip(ids, (c.c_tokens for c in contribs))),
