@@ -24,7 +24,9 @@ number depends only on the seed, not on thread timing:
 The sweep varies the outer learning rate and momentum of the rackmend schedule, at
 M=4, H=16 and then across H and M. The ablation (``hetero``) runs asynchronously with
 half the learners 18 % slower and 10 % step-time jitter: K=M, K=1 without a grace
-window, K=1 with the adaptive grace window, at equal wall time and at equal tokens.
+window, K=1 with the adaptive grace window, and the last with a staleness-aware outer
+step (CGAD's scale on rackmend's SGD step; an Adam outer step with and without CGAD),
+at equal wall time and at equal tokens; ``--variants`` picks some of them.
 """
 
 from __future__ import annotations
@@ -135,25 +137,39 @@ def section_sweep(steps: int, M: int, corpus: ByteCorpus, quick: bool) -> dict[s
     return {"grid": grid, "across": across}
 
 
+HETERO_CGAD = dict(staleness_decay=0.25, staleness_cutoff=5)
+"""CGAD's alpha and cosine cutoff in the heterogeneous ablation (the paper's defaults
+are not public in what we read: 0.25 per version, and a cutoff one past the default
+``max_staleness`` of 4, so no accepted contribution is zeroed)."""
+HETERO_ADAM = dict(outer_optimizer="Adam", outer_lr=0.01, outer_kwargs={})
+"""The Adam outer step CGAD is paired with in the paper; lr 0.01 moves each weight by
+about what plain averaging does here (inner lr 3e-3 x H=16, mostly noise that cancels)."""
+
+
 def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[str, Any],
-                   seeds: list[int]) -> dict[str, Any]:
+                   seeds: list[int], only: list[str] | None = None) -> dict[str, Any]:
     """Half the learners 18 % slower, every step +-10 % jitter (sleep-based, so the
     compute of the 2-core machine does not set the pace). Per seed the variants run one
     after another; the loss at equal wall time is read at the end of that seed's
-    fastest variant."""
+    fastest variant (of those run)."""
     base_s = 0.06
+    grace = dict(min_quorum=1, grace_max=2.0)
     variants = {
         "K=M": dict(min_quorum=M, grace_max=5.0),
         "K=1, no grace": dict(min_quorum=1, grace_max=0.0),
-        "K=1, adaptive grace": dict(min_quorum=1, grace_max=2.0),
+        "K=1, adaptive grace": grace,
+        "K=1, grace, CGAD scale on SGD": {**grace, **HETERO_CGAD},
+        "K=1, grace, Adam": {**grace, **HETERO_ADAM},
+        "K=1, grace, CGAD (Adam)": {**grace, **HETERO_ADAM, **HETERO_CGAD},
     }
+    variants = {k: v for k, v in variants.items() if not only or k in only}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     print(f"\nheterogeneous speeds: M={M}, half 18% slower, 10% jitter, {steps} steps per learner, seeds {seeds}")
-    print(f"{'seed':>4} {'variant':<22} {'loss at equal tokens':>21} {'wall s':>8} {'merges':>7}")
+    print(f"{'seed':>4} {'variant':<30} {'loss at equal tokens':>21} {'wall s':>8} {'merges':>7}")
     for seed in seeds:
         this: dict[str, dict[str, Any]] = {}
         for name, fields in variants.items():
-            cfg = config(M, H_DEFAULT, 4, 2, deterministic=False, **fields, **outer_fields)
+            cfg = config(M, H_DEFAULT, 4, 2, deterministic=False, **{**outer_fields, **fields})
             rng = random.Random(seed)
 
             def delay(idx: int, step: int) -> float:
@@ -165,7 +181,7 @@ def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[st
             r = train_arm(name, cfg, s, corpus, step_delay=delay)
             this[name] = {"seed": seed, "points": r.points, "loss": r.points[-1][2],
                           "wall_s": time.perf_counter() - t0, "merges": r.merges}
-            print(f"{seed:>4} {name:<22} {this[name]['loss']:>21.3f} {this[name]['wall_s']:>8.1f} {r.merges:>7}",
+            print(f"{seed:>4} {name:<30} {this[name]['loss']:>21.3f} {this[name]['wall_s']:>8.1f} {r.merges:>7}",
                   flush=True)
         wall = min(r["wall_s"] for r in this.values())
         for name, r in this.items():
@@ -178,7 +194,7 @@ def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[st
         rows[name] = {"runs": rs, "loss": statistics.median(losses), "losses": losses,
                       "loss_at_equal_wall": statistics.median(at_wall), "losses_at_equal_wall": at_wall,
                       "wall_s": statistics.median(r["wall_s"] for r in rs)}
-        print(f"  {name:<22} {rows[name]['loss']:.3f} [{min(losses):.3f}, {max(losses):.3f}]   "
+        print(f"  {name:<30} {rows[name]['loss']:.3f} [{min(losses):.3f}, {max(losses):.3f}]   "
               f"{rows[name]['loss_at_equal_wall']:.3f} [{min(at_wall):.3f}, {max(at_wall):.3f}]")
     return rows
 
@@ -196,6 +212,7 @@ def main() -> None:
     p.add_argument("--section", choices=("all", "arms", "sweep", "hetero"), default="all")
     p.add_argument("--steps", type=int, default=None, help="inner steps per learner (default 480; quick 96)")
     p.add_argument("--arms", default="", help="comma-separated arms of the arms section to run (default: all)")
+    p.add_argument("--variants", default="", help="semicolon-separated variants of the hetero section (default: all)")
     args = p.parse_args()
     torch.set_num_threads(1)
     steps = args.steps or (96 if args.quick else 480)
@@ -214,7 +231,7 @@ def main() -> None:
     if args.section in ("all", "hetero"):
         sc = SyncerConfig()
         out["hetero"] = section_hetero(steps, M, corpus, {"outer_lr": sc.outer_lr, "outer_kwargs": sc.outer_kwargs},
-                                       seeds)
+                                       seeds, [v for v in args.variants.split(";") if v])
         result.update({f"hetero_{k.replace(' ', '').replace(',', '_')}_loss": v["loss"]
                        for k, v in out["hetero"].items()})
     out["guard_events"] = GUARD_EVENTS

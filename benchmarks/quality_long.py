@@ -20,7 +20,8 @@ size and of the gap against rounds (``quality-long-*.png``), and prints a table.
 
 The arms are those of ``benchmarks/quality.py`` (every learner its own stream of
 random windows of the same corpus; all train the same total tokens; deterministic
-mode but ``rackmend-async``), plus classic DiLoCo at outer lr 0.4. Every arm trains
+mode but ``rackmend-async``), plus classic DiLoCo at outer lr 0.4 and rackmend with int4
+compression both ways (block absmax, error feedback on both sides). Every arm trains
 with the same inner schedule: AdamW at peak lr 3e-3, linear warm-up over the first
 2 % of each learner's steps, then a half cosine down to 10 % of the peak at its last
 step (``--lr-schedule constant`` keeps 3e-3 throughout, the setting of the short
@@ -32,7 +33,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import MISSING, asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,14 +42,19 @@ from tqdm import tqdm
 
 from _common import RESULTS, finish, parser
 from quality import H_DEFAULT, bootstrap, config, outer
-from rackmend.config import RackmendConfig
+from rackmend.config import CompressionConfig, LearnerConfig, RackmendConfig
 from rackmend.demo.threads import thread_settings, train_arm
 from rackmend.workloads import ByteCorpus, GPTConfig
 
 M = 4
-SIZES = {"small": GPTConfig(), "large": GPTConfig(n_layer=8, n_embd=256)}
-"""The demo GPT (1.29 M parameters) and one 5x its size (6.40 M), same tokenizer."""
+SIZES = {"small": GPTConfig(), "large": GPTConfig(n_layer=8, n_embd=232)}
+"""The demo GPT (1.29 M parameters) and the smallest of its shape at least 4x its size
+(5.27 M: twice the layers, 232 wide), same tokenizer and corpus."""
 RUNS = RESULTS / "quality-long-runs.jsonl"
+BATCH = thread_settings(steps=1).batch_size
+"""Sequences per learner step (the demo's 8, of 64 bytes each)."""
+INT4 = CompressionConfig(uplink="int4", downlink="int4")
+"""Both directions int4 (block absmax, error feedback on each learner and on the syncer)."""
 
 
 def arms(H: int) -> dict[str, tuple[RackmendConfig, int]]:
@@ -61,16 +67,18 @@ def arms(H: int) -> dict[str, tuple[RackmendConfig, int]]:
         "diloco-0.4": (config(M, H, 1, 0, **outer(0.4, 0.9)), M),
         "rackmend": (config(M, H, 4, 2), M),
         "rackmend-async": (config(M, H, 4, 2, deterministic=False), M),
+        "rackmend-int4": (replace(config(M, H, 4, 2), compression=INT4), M),
     }
 
 
-def ablations() -> dict[str, tuple[str, RackmendConfig, int]]:
-    """Variant -> (schedule, config, learners): each switches one suspected cause of
-    the gap off (or on) against rackmend's defaults under the cosine schedule; one
+def ablations() -> dict[str, tuple[str, RackmendConfig, int, int]]:
+    """Variant -> (schedule, config, learners, batch): each switches one suspected cause
+    of the gap off (or on) against rackmend's defaults under the cosine schedule; one
     learner alone and Streaming DiLoCo's outer step (Nesterov, lr 0.4, momentum 0.9) on
     rackmend's schedule are there to compare with."""
     base = arms(H_DEFAULT)
-    return {
+    rackmend = base["rackmend"][0]
+    return {name: (v + (BATCH,))[:4] for name, v in {
         "data-parallel, constant lr": ("constant", *base["data-parallel"]),
         "rackmend, constant lr": ("constant", *base["rackmend"]),
         "data-parallel": ("cosine", *base["data-parallel"]),
@@ -78,20 +86,42 @@ def ablations() -> dict[str, tuple[str, RackmendConfig, int]]:
         "rackmend, H=4": ("cosine", config(M, 4, 4, 2), M),
         "rackmend, H=8": ("cosine", config(M, 8, 4, 2), M),
         "rackmend, Adam moments averaged every merge": (
-            "cosine", replace(base["rackmend"][0], schedule=replace(base["rackmend"][0].schedule, desloc=True,
-                                                                     desloc_ku=H_DEFAULT, desloc_kv=H_DEFAULT)), M),
+            "cosine", replace(rackmend, schedule=replace(rackmend.schedule, desloc=True, desloc_ku=H_DEFAULT,
+                                                         desloc_kv=H_DEFAULT)), M),
         "averaging (P=1, tau=0)": ("cosine", *base["averaging"]),
         "rackmend, outer Nesterov lr 0.4, momentum 0.9": ("cosine", config(M, H_DEFAULT, 4, 2, **outer(0.4, 0.9)), M),
         "alone": ("cosine", *base["alone"]),
-    }
+        "rackmend, tau=0": ("cosine", config(M, H_DEFAULT, 4, 0), M),
+        "rackmend, apply keep_local": ("cosine", replace(rackmend, learner=LearnerConfig(apply="keep_local")), M),
+        "rackmend, outer lr 1.5": ("cosine", config(M, H_DEFAULT, 4, 2, **outer(1.5, 0.0)), M),
+        "rackmend-async": ("cosine", *base["rackmend-async"]),
+        "rackmend, batch 32 per learner, H=4": ("cosine", config(M, 4, 4, 2), M, 32),
+    }.items()}
 
 
-def key(size: str, seed: int, steps: int, schedule: str, cfg: RackmendConfig, learners: int) -> str:
+def changed(obj: Any) -> dict[str, Any]:
+    """The fields of a (nested) config dataclass that differ from their defaults: a new
+    option whose default keeps today's behaviour leaves every kept run's key as it was,
+    a changed default makes new runs."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        if value != default:
+            out[f.name] = changed(value) if is_dataclass(value) else value
+    return out
+
+
+def key(size: str, seed: int, steps: int, schedule: str, cfg: RackmendConfig, learners: int,
+        batch: int = BATCH) -> str:
     """Everything that decides a run's number, not its label: an ablation variant equal
-    to an arm reuses the arm's runs, and a changed default (the config's repr) makes a
-    new run, not a stale one."""
-    return json.dumps({"size": size, "model": asdict(SIZES[size]), "seed": seed, "steps": steps, "learners": learners,
-                       "schedule": schedule, "config": repr(cfg)}, sort_keys=True)
+    to an arm reuses the arm's runs."""
+    k = {"size": size, "model": asdict(SIZES[size]), "seed": seed, "steps": steps, "learners": learners,
+         "schedule": schedule, "config": changed(cfg)}
+    if batch != BATCH:
+        k["batch"] = batch
+    return json.dumps(k, sort_keys=True, default=repr)
 
 
 class Runs:
@@ -117,10 +147,10 @@ class Runs:
 
 
 def trainer(cfg: RackmendConfig, learners: int, steps: int, seed: int, size: str, schedule: str,
-            corpus: ByteCorpus, bar: tqdm, evals: int) -> Callable[[], dict[str, Any]]:
+            corpus: ByteCorpus, bar: tqdm, evals: int, batch: int = BATCH) -> Callable[[], dict[str, Any]]:
     def train() -> dict[str, Any]:
         s = thread_settings(learners=learners, steps=steps, seed=seed, evals=evals, model=SIZES[size],
-                            lr_schedule=schedule, warmup_steps=max(1, steps // 50))
+                            lr_schedule=schedule, warmup_steps=max(1, steps // 50), batch_size=batch)
         t0 = time.perf_counter()
         r = train_arm(size, cfg, s, corpus, progress=bar)
         return {"points": r.points, "loss": r.points[-1][2], "wall_s": time.perf_counter() - t0,
@@ -181,7 +211,7 @@ def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], s
             row = runs.get(key(size, seed, per_learner, schedule, cfg, learners),
                            trainer(cfg, learners, per_learner, seed, size, schedule, corpus, bar, evals))
             out.setdefault(size, {}).setdefault(name, []).append(row)
-    tokens_per_round = M * H_DEFAULT * thread_settings(steps=1).batch_size * SIZES["small"].block_size
+    tokens_per_round = M * H_DEFAULT * BATCH * SIZES["small"].block_size
     summary: dict[str, Any] = {}
     for size, by_arm in out.items():
         print(f"\n{size} model ({sum(p.numel() for p in _params(size)) / 1e6:.2f} M parameters): "
@@ -221,16 +251,18 @@ def section_ablation(outdir: Path, runs: Runs, seeds: list[int], rounds: int, co
                      evals: int) -> dict[str, Any]:
     steps = rounds * H_DEFAULT
     variants = ablations()
-    todo = sum(steps * M for sched, cfg, learners in variants.values() for seed in seeds
-               if key("small", seed, steps * M // learners, sched, cfg, learners) not in runs.done)
+    # Equal tokens: fewer learners or larger batches take fewer steps each.
+    plan = {name: (sched, cfg, learners, batch, steps * M * BATCH // (learners * batch))
+            for name, (sched, cfg, learners, batch) in variants.items()}
+    todo = sum(per_learner * learners for sched, cfg, learners, batch, per_learner in plan.values() for seed in seeds
+               if key("small", seed, per_learner, sched, cfg, learners, batch) not in runs.done)
     rows: dict[str, Any] = {}
     with tqdm(total=todo, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
-        for name, (sched, cfg, learners) in variants.items():
-            per_learner = steps * M // learners
-            rows[name] = [runs.get(key("small", seed, per_learner, sched, cfg, learners),
-                                   trainer(cfg, learners, per_learner, seed, "small", sched, corpus, bar, evals))
+        for name, (sched, cfg, learners, batch, per_learner) in plan.items():
+            rows[name] = [runs.get(key("small", seed, per_learner, sched, cfg, learners, batch),
+                                   trainer(cfg, learners, per_learner, seed, "small", sched, corpus, bar, evals, batch))
                           for seed in seeds]
-    tokens_per_round = M * H_DEFAULT * thread_settings(steps=1).batch_size * SIZES["small"].block_size
+    tokens_per_round = M * H_DEFAULT * BATCH * SIZES["small"].block_size
     print(f"\nablation, small model, {rounds} rounds at H={H_DEFAULT} (equal tokens), seeds {seeds}")
     print(f"{'variant':<46} {'loss':>7} {'vs DP':>8}   gap at 1/4, 1/2, 3/4, all of the run")
     out: dict[str, Any] = {}
