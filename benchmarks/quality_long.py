@@ -53,6 +53,9 @@ SIZES = {"small": GPTConfig(), "large": GPTConfig(n_layer=8, n_embd=232)}
 RUNS = RESULTS / "quality-long-runs.jsonl"
 BATCH = thread_settings(steps=1).batch_size
 """Sequences per learner step (the demo's 8, of 64 bytes each)."""
+TOKENS_PER_ROUND = M * H_DEFAULT * BATCH * GPTConfig().block_size
+"""Tokens all learners train between two syncs of a fragment (every size has the same
+block size): the x axis of the plots, in outer rounds."""
 INT4 = CompressionConfig(uplink="int4", downlink="int4")
 """Both directions int4 (block absmax, error feedback on each learner and on the syncer)."""
 
@@ -96,6 +99,10 @@ def ablations() -> dict[str, tuple[str, RackmendConfig, int, int]]:
         "rackmend, outer lr 1.5": ("cosine", config(M, H_DEFAULT, 4, 2, **outer(1.5, 0.0)), M),
         "rackmend-async": ("cosine", *base["rackmend-async"]),
         "rackmend, batch 32 per learner, H=4": ("cosine", config(M, 4, 4, 2), M, 32),
+        "rackmend, int4 both ways": ("cosine", *base["rackmend-int4"]),
+        "rackmend, int8 both ways": ("cosine", replace(rackmend, compression=CompressionConfig(
+            uplink="int8", downlink="int8")), M),
+        "rackmend, int4 up, fp32 down": ("cosine", replace(rackmend, compression=CompressionConfig(uplink="int4")), M),
     }.items()}
 
 
@@ -166,14 +173,13 @@ def loss_at(points: list[list[float]], tokens: float) -> float:
     return points[-1][2]
 
 
-def gap_curve(runs: list[dict[str, Any]], dp: list[dict[str, Any]], H: int, tokens_per_round: float) -> list[
-        tuple[float, float]]:
+def gap_curve(runs: list[dict[str, Any]], dp: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """(outer rounds, median over seeds of loss / data-parallel's loss - 1) at each of
     the arm's evaluations, data-parallel read at the same tokens."""
     out = []
     for i, (tokens, _, _) in enumerate(runs[0]["points"][1:], start=1):
         gaps = [r["points"][i][2] / loss_at(d["points"], r["points"][i][0]) - 1 for r, d in zip(runs, dp)]
-        out.append((tokens / tokens_per_round, statistics.median(gaps)))
+        out.append((tokens / TOKENS_PER_ROUND, statistics.median(gaps)))
     return out
 
 
@@ -182,14 +188,15 @@ def plot(path: Path, title: str, curves: dict[str, list[tuple[float, float]]], x
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, pts in curves.items():
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=name)
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    colors = plt.get_cmap("tab20").colors  # up to 20 curves, none sharing a colour
+    for (name, pts), color in zip(curves.items(), colors):
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=name, color=color)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -211,7 +218,6 @@ def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], s
             row = runs.get(key(size, seed, per_learner, schedule, cfg, learners),
                            trainer(cfg, learners, per_learner, seed, size, schedule, corpus, bar, evals))
             out.setdefault(size, {}).setdefault(name, []).append(row)
-    tokens_per_round = M * H_DEFAULT * BATCH * SIZES["small"].block_size
     summary: dict[str, Any] = {}
     for size, by_arm in out.items():
         print(f"\n{size} model ({sum(p.numel() for p in _params(size)) / 1e6:.2f} M parameters): "
@@ -227,12 +233,12 @@ def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], s
                           "gap_dp": statistics.median(gaps) if gaps else None, "gaps_dp": gaps,
                           "wall_s": [r["wall_s"] for r in rs], "guard_events": sum(r["guard_events"] for r in rs)}
             if dp:
-                rows[name]["gap_curve"] = gap_curve(rs, dp, H_DEFAULT, tokens_per_round)
+                rows[name]["gap_curve"] = gap_curve(rs, dp)
             vs_dp = f"{rows[name]['gap_dp']:+.1%}" if gaps else "-"
             print(f"{name:<16} {rows[name]['median']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>18} {vs_dp:>8}  "
                   + " ".join(f"{x:.3f}" for x in losses))
         summary[size] = rows
-        curves = {name: [(p[0] / tokens_per_round, statistics.median(r["points"][i][2] for r in rs))
+        curves = {name: [(p[0] / TOKENS_PER_ROUND, statistics.median(r["points"][i][2] for r in rs))
                          for i, p in enumerate(rs[0]["points"])] for name, rs in by_arm.items()}
         plot(outdir / f"quality-long-{size}.png", f"{size} GPT, M={M}, H={H_DEFAULT}: held-out loss (median of "
              f"{len(seeds)} seeds)", curves, "outer rounds (equal tokens across arms)", "held-out loss")
@@ -262,14 +268,13 @@ def section_ablation(outdir: Path, runs: Runs, seeds: list[int], rounds: int, co
             rows[name] = [runs.get(key("small", seed, per_learner, sched, cfg, learners, batch),
                                    trainer(cfg, learners, per_learner, seed, "small", sched, corpus, bar, evals, batch))
                           for seed in seeds]
-    tokens_per_round = M * H_DEFAULT * BATCH * SIZES["small"].block_size
     print(f"\nablation, small model, {rounds} rounds at H={H_DEFAULT} (equal tokens), seeds {seeds}")
     print(f"{'variant':<46} {'loss':>7} {'vs DP':>8}   gap at 1/4, 1/2, 3/4, all of the run")
     out: dict[str, Any] = {}
     for name, rs in rows.items():
         sched = variants[name][0]
         dp = rows["data-parallel, constant lr" if sched == "constant" else "data-parallel"]
-        curve = gap_curve(rs, dp, H_DEFAULT, tokens_per_round)
+        curve = gap_curve(rs, dp)
         loss = statistics.median(r["loss"] for r in rs)
         quarter = [curve[round(len(curve) * q) - 1][1] for q in (0.25, 0.5, 0.75, 1.0)]
         out[name] = {"schedule": sched, "losses": [r["loss"] for r in rs], "loss": loss, "gap_curve": curve}
@@ -306,8 +311,9 @@ def main() -> None:
     corpus = ByteCorpus()
     out: dict[str, Any] = {"inputs": {"rounds": rounds, "H": H_DEFAULT, "M": M, "seeds": seeds, "sizes": sizes,
                                       "models": {s: asdict(SIZES[s]) for s in sizes}, "schedule": args.lr_schedule}}
-    result: dict[str, Any] = {"rounds": rounds}
+    result: dict[str, Any] = {}
     if args.section in ("all", "arms"):
+        result["rounds"] = rounds
         out["arms"] = section_arms(outdir, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus, args.evals)
         for size, rows in out["arms"].items():
             if rows.get("rackmend", {}).get("gap_dp") is not None:
