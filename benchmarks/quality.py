@@ -142,8 +142,8 @@ HETERO_CGAD = dict(staleness_decay=0.25, staleness_cutoff=5)
 are not public in what we read: 0.25 per version, and a cutoff one past the default
 ``max_staleness`` of 4, so no accepted contribution is zeroed)."""
 HETERO_ADAM = dict(outer_optimizer="Adam", outer_lr=0.01, outer_kwargs={})
-"""The Adam outer step CGAD is paired with in the paper; lr 0.01 moves each weight by
-about what plain averaging does here (inner lr 3e-3 x H=16, mostly noise that cancels)."""
+"""The Adam outer step CGAD is paired with in the paper. lr 0.01 is a guess, not swept:
+about the size of a learner's own move over a period (inner lr 3e-3 x H=16, partly noise)."""
 
 
 def section_hetero(steps: int, M: int, corpus: ByteCorpus, outer_fields: dict[str, Any],

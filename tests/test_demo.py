@@ -66,6 +66,7 @@ def test_arms_differ_as_the_issue_asks() -> None:
     ({"lr_schedule": "linear"}, "lr_schedule"),
     ({"max_steps": 10, "warmup_steps": 10}, "warmup_steps"),
     ({"lr_final": 2.0}, "lr_final"),
+    ({"warmup_steps": 5}, "cosine schedule"),
 ])
 def test_bad_settings_say_what_to_change(changes: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
@@ -87,7 +88,7 @@ def test_the_cosine_schedule_reaches_the_inner_optimizer_step_by_step() -> None:
 
     model = Fit(3, 1)
     inner = torch.optim.AdamW(model.parameters(), lr=s.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(inner, s.lr_factor)
+    schedule = s.scheduler(inner)
     used = [inner.param_groups[0]["lr"]]  # LambdaLR sets the first step's rate when built
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     steps = train_steps(model, inner, None, lambda: (x, y), 8, max_steps=s.max_steps, schedule=schedule,
@@ -98,7 +99,7 @@ def test_the_cosine_schedule_reaches_the_inner_optimizer_step_by_step() -> None:
     assert used[4] == pytest.approx(0.01) and used[-1] == pytest.approx(0.002)
     assert all(a >= b for a, b in zip(used[4:], used[5:])), "the cosine part must only fall"
     constant = thread_settings(steps=40)
-    assert {constant.lr_factor(i) for i in range(40)} == {1.0}
+    assert {constant.lr_factor(i) for i in range(40)} == {1.0} and constant.scheduler(inner) is None
 
 
 def test_loss_interpolation() -> None:

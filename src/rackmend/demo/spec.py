@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from rackmend.config import (
     HEARTBEAT_TIMEOUT_S,
     CompressionConfig,
@@ -153,7 +155,8 @@ class RunSettings:
     lr_schedule: LrSchedule = "constant"
     """The inner learning rate over each learner's steps: ``constant`` keeps ``lr``;
     ``cosine`` rises linearly over ``warmup_steps``, then falls along a half cosine to
-    ``lr_final`` x ``lr`` at the learner's last step, so it needs ``max_steps``."""
+    ``lr_final`` x ``lr`` at the learner's last step, so it needs ``max_steps`` (a
+    learner process restarted by a fault starts it again)."""
 
     warmup_steps: int = 0
     """Steps of the ``cosine`` schedule's linear warm-up (0: none)."""
@@ -212,8 +215,11 @@ class RunSettings:
                f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         _check(self.lr_schedule == "constant" or self.max_steps is not None,
                "lr_schedule='cosine' decays over each learner's max_steps: set max_steps")
-        _check(0 <= self.warmup_steps < (self.max_steps or self.warmup_steps + 1),
+        _check(self.warmup_steps >= 0 and (self.max_steps is None or self.warmup_steps < self.max_steps),
                f"warmup_steps must be >= 0 and below max_steps ({self.max_steps}), got {self.warmup_steps}")
+        _check(self.warmup_steps == 0 or self.lr_schedule == "cosine",
+               f"warmup_steps={self.warmup_steps} is part of the cosine schedule: set lr_schedule='cosine' "
+               "or leave warmup_steps at 0")
         _check(0 <= self.lr_final <= 1, f"lr_final is a fraction of lr, from 0 to 1; got {self.lr_final}")
         _check(self.min_step_s >= 0, f"min_step_s must be >= 0 seconds (0: unpaced), got {self.min_step_s}")
         unknown = [a for a in self.arms if a not in ARMS]
@@ -238,6 +244,13 @@ class RunSettings:
         assert self.max_steps is not None  # validate()
         progress = min(1.0, (done - self.warmup_steps) / max(1, self.max_steps - 1 - self.warmup_steps))
         return self.lr_final + (1 - self.lr_final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def scheduler(self, inner: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The scheduler that moves ``inner``'s rate along ``lr_schedule``; None for
+        ``constant`` (nothing to move)."""
+        if self.lr_schedule == "constant":
+            return None
+        return torch.optim.lr_scheduler.LambdaLR(inner, self.lr_factor)
 
     @property
     def learner_ids(self) -> list[str]:

@@ -110,7 +110,7 @@ def train_arm(name: str, config: RackmendConfig, s: RunSettings, corpus: ByteCor
             delay = None if step_delay is None else (lambda t: step_delay(idx, t))
             train_steps(model, inner, opt, lambda: corpus.batch(g, s.batch_size, s.model.block_size),
                         tokens_per_step, max_steps=steps, min_step_s=s.min_step_s, delay=delay,
-                        schedule=torch.optim.lr_scheduler.LambdaLR(inner, s.lr_factor), on_step=after)
+                        schedule=s.scheduler(inner), on_step=after)
             opt.close()  # first: the sends still queued count in bytes_sent
             blocked[lid] = opt.blocked_seconds
             sent[lid] = opt.bytes_sent

@@ -173,7 +173,7 @@ def run(run_dir: Path, index: int) -> int:
     try:
         step = train_steps(model, inner, opt, lambda: corpus.batch(g, s.batch_size, s.model.block_size), tokens,
                            max_steps=s.max_steps, stop_at=stop_at, min_step_s=s.min_step_s, slow=slow,
-                           schedule=torch.optim.lr_scheduler.LambdaLR(inner, s.lr_factor), on_step=write)
+                           schedule=s.scheduler(inner), on_step=write)
     finally:
         if opt is not None:
             opt.close()
