@@ -478,14 +478,14 @@ def test_cli_help_and_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--listen", "--target", "--bandwidth", "--latency", "--jitter", "--burst", "--outage",
+    for flag in ("--listen", "--target", "--bandwidth", "--latency", "--latency-jitter", "--burst", "--outage",
                  "--seed", "--stats-every", "--duration"):
         assert flag in out
     with pytest.raises(SystemExit) as info:
         cli.main(["--target", "127.0.0.1:1", "--bandwidth", "50Mbps"])
     assert info.value.code == 2
     assert "ambiguous" in capsys.readouterr().err
-    assert cli.main(["--target", "127.0.0.1:1", "--jitter", "2"]) == 2
+    assert cli.main(["--target", "127.0.0.1:1", "--latency-jitter", "2"]) == 2
     assert "jitter" in capsys.readouterr().err
 
 

@@ -144,7 +144,7 @@ def test_deterministic_run_equals_a_plain_computation() -> None:
 # ------------------------------------------------------------------------ config, CLI
 @pytest.mark.parametrize("kwargs,message", [
     (dict(racks=()), "at least one learner"),
-    (dict(kills=(Kill(learner=5, at=1.0),)), "learner 5 is not one of the 2 racks"),
+    (dict(kills=(Kill(learner=5, at=1.0),)), "learner 5 is not one of the 4 racks"),
     (dict(lr=5.0), "diverges"),
     (dict(run=RackmendConfig(syncer=SyncerConfig(learners=("A",)))), "not simulated learners"),
 ])

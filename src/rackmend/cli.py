@@ -9,7 +9,55 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+__all__ = ["bandwidth_flag", "main", "refuse_renamed"]
+
+_NO_CAP = ("none", "off")
+
+
+def bandwidth_flag(text: str) -> float | None:
+    """A ``--bandwidth`` value, in bits/s, as ``demo``, ``simulate`` and ``link`` all
+    read it: a rate with its unit (``50Mbit``, ``800kbit``, ``10MB/s``; see
+    ``netem.link.parse_rate``), or ``none``/``off`` for no cap. A bare number is
+    refused: it once meant Mbit/s in ``demo``, bytes/s in ``simulate`` and bits/s in
+    ``link``."""
+    from rackmend.config import ConfigError
+    from rackmend.netem.link import parse_rate
+
+    t = text.strip()
+    if t.lower() in _NO_CAP:
+        return None
+    try:
+        float(t)
+    except ValueError:
+        pass
+    else:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r} has no unit; write e.g. '{t}Mbit' (bits/s) or "
+                                         f"'{t}MB/s' (bytes/s), or 'none' for no cap")
+    try:
+        return parse_rate(t)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _Renamed(argparse.Action):
+    """An old flag name that now fails with the name to use instead: a silent alias would
+    keep one name meaning two things across sub-commands (``--jitter`` was a latency
+    spread in ``demo`` and ``link``, a step-time spread in ``simulate``)."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: object) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was renamed {self.new}")
+
+
+def refuse_renamed(parser: argparse.ArgumentParser, renames: dict[str, str]) -> None:
+    """Make each old flag of ``renames`` (old -> "--new (what it means)") an error that
+    names the new one, hidden from ``--help``."""
+    for old, new in renames.items():
+        parser.add_argument(old, action=_Renamed, new=new)
 
 
 def main(argv: list[str] | None = None) -> int:

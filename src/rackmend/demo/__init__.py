@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rackmend.cli import bandwidth_flag, refuse_renamed
+
 if TYPE_CHECKING:  # the CLI imports this package for --help; torch loads only when a demo runs
     from rackmend.demo.spec import RunSettings
 
@@ -68,21 +70,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fragments", type=int, default=d.fragments, help="P of the rackmend arm (default %(default)s)")
     g.add_argument("--overlap", type=int, default=d.overlap, help="tau of the rackmend arm (default %(default)s)")
     g = p.add_argument_group("emulated link of every learner")
-    g.add_argument("--bandwidth", default=str(link.bandwidth_mbit),
-                   help="Mbit/s per direction, or 'none' for no cap (default %(default)s)")
+    g.add_argument("--bandwidth", type=bandwidth_flag, default=None if link.bandwidth_mbit is None
+                   else link.bandwidth_mbit * 1e6, metavar="RATE",
+                   help=f"per direction, e.g. 50Mbit or 6MB/s, or 'none' for no cap (default {link.bandwidth_mbit:g}Mbit)")
     g.add_argument("--latency-ms", type=float, default=link.latency_ms, help="one-way latency (default %(default)s)")
-    g.add_argument("--jitter", type=float, default=link.jitter, help="latency spread, fraction (default %(default)s)")
+    g.add_argument("--latency-jitter", type=float, default=link.jitter,
+                   help="latency spread, fraction (default %(default)s)")
     g = p.add_argument_group("faults (times are fractions of --duration; learner indices from 0; 'none' turns one off)")
     g.add_argument("--no-faults", action="store_true", help="inject no fault at all")
-    g.add_argument("--kill", type=_learner_or_none, default=f.kill_learner, help="learner to SIGKILL and restart")
+    g.add_argument("--kill-learner", type=_learner_or_none, default=f.kill_learner, help="learner to SIGKILL and restart")
     g.add_argument("--kill-window", type=_window, default=(f.kill_at, f.restart_at),
                    help="KILL_AT:RESTART_AT (default %(default)s)")
-    g.add_argument("--slow", type=_learner_or_none, default=f.slow_learner, help="learner that turns fail-slow")
+    g.add_argument("--slow-learner", type=_learner_or_none, default=f.slow_learner, help="learner that turns fail-slow")
     g.add_argument("--slow-window", type=_window, default=(f.slow_from, f.slow_until),
                    help="FROM:UNTIL (default %(default)s)")
     g.add_argument("--slow-factor", type=float, default=f.slow_factor, help="step time multiplier (default %(default)s)")
     g.add_argument("--worse-link", type=_learner_or_none, default=f.worse_link_learner,
                    help="learner with the worse link")
+    refuse_renamed(p, {"--jitter": "--latency-jitter (`rackmend simulate` spreads step times with --step-jitter)",
+                       "--kill": "--kill-learner (`rackmend simulate --kill` takes I:AT[:REJOIN] in seconds)",
+                       "--slow": "--slow-learner (`rackmend simulate --slow` takes I:FACTOR[:START[:END]])"})
     g.add_argument("--worse-link-factor", type=float, default=f.worse_link_factor,
                    help="bandwidth / F and latency x F on that link (default %(default)s)")
 
@@ -91,15 +98,15 @@ def settings_from_args(a: argparse.Namespace) -> RunSettings:
     from rackmend.demo.spec import FaultPlan, LinkPlan, RunSettings
 
     faults = FaultPlan.none() if a.no_faults else FaultPlan(
-        kill_learner=a.kill, kill_at=a.kill_window[0], restart_at=a.kill_window[1],
-        slow_learner=a.slow, slow_from=a.slow_window[0], slow_until=a.slow_window[1], slow_factor=a.slow_factor,
+        kill_learner=a.kill_learner, kill_at=a.kill_window[0], restart_at=a.kill_window[1],
+        slow_learner=a.slow_learner, slow_from=a.slow_window[0], slow_until=a.slow_window[1], slow_factor=a.slow_factor,
         worse_link_learner=a.worse_link, worse_link_factor=a.worse_link_factor)
-    bw = None if a.bandwidth.lower() in ("none", "off", "0") else float(a.bandwidth)
+    bw = None if a.bandwidth is None else a.bandwidth / 1e6
     return RunSettings(
         learners=a.learners, duration_s=a.duration, max_steps=a.steps, batch_size=a.batch_size, seed=a.seed,
         sync_every=a.sync_every, fragments=a.fragments, overlap=a.overlap,
         arms=tuple(x.strip() for x in a.arms.split(",") if x.strip()),
-        link=LinkPlan(bandwidth_mbit=bw, latency_ms=a.latency_ms, jitter=a.jitter), faults=faults)
+        link=LinkPlan(bandwidth_mbit=bw, latency_ms=a.latency_ms, jitter=a.latency_jitter), faults=faults)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ Example: a 50 Mbit/s link with 100 ms +-50 % one-way delay in front of a syncer 
 port 7000, down (connections reset) from 30 s to 40 s after start:
 
   rackmend link --listen 127.0.0.1:7001 --target 127.0.0.1:7000 \\
-      --bandwidth 50Mbit --latency 100ms --jitter 0.5 --outage 30:10:drop
+      --bandwidth 50Mbit --latency 100ms --latency-jitter 0.5 --outage 30:10:drop
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import time
 from types import FrameType
 from typing import Any, Callable
 
+from rackmend.cli import bandwidth_flag, refuse_renamed
 from rackmend.config import ConfigError
-from rackmend.netem.link import LinkConfig, LinkEmulator, Outage, parse_duration, parse_rate, parse_size
+from rackmend.netem.link import LinkConfig, LinkEmulator, Outage, parse_duration, parse_size
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -67,19 +68,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the link leads, e.g. the syncer's endpoint 127.0.0.1:7000 (required)",
     )
     parser.add_argument(
-        "--bandwidth", type=_typed(parse_rate), default=None, metavar="RATE",
-        help="cap per direction for the whole link, e.g. 50Mbit, 800kbit, 1Gbit, 10MB/s "
-        "(a plain number is bits/s; default: no cap)",
+        "--bandwidth", type=bandwidth_flag, default=None, metavar="RATE",
+        help="cap per direction for the whole link, e.g. 50Mbit, 800kbit, 1Gbit, 10MB/s, or 'none' "
+        "(default: no cap)",
     )
     parser.add_argument(
         "--latency", type=_typed(parse_duration), default=0.0, metavar="DURATION",
         help="one-way delay added to every byte, e.g. 100ms, 0.1 (seconds); the RTT grows by twice this (default 0)",
     )
     parser.add_argument(
-        "--jitter", type=float, default=0.0, metavar="FRACTION",
+        "--latency-jitter", type=float, default=0.0, metavar="FRACTION",
         help="each delay is latency*(1+U(-FRACTION, FRACTION)), FRACTION in [0, 1]; "
         "byte order is always kept (default 0)",
     )
+    refuse_renamed(parser, {"--jitter": "--latency-jitter (one name for a latency spread in every command)"})
     parser.add_argument(
         "--burst", type=_typed(parse_size), default=64 * 1024, metavar="SIZE",
         help="token bucket depth: bytes that pass at line speed after idle, e.g. 64KiB (default 65536)",
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         config = LinkConfig(
             bandwidth_bps=args.bandwidth,
             latency_s=args.latency,
-            jitter=args.jitter,
+            jitter=args.latency_jitter,
             burst_bytes=args.burst,
             outages=tuple(args.outage),
             seed=args.seed,

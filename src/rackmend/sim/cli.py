@@ -16,6 +16,7 @@ import math
 import sys
 from typing import Any
 
+from rackmend.cli import bandwidth_flag, refuse_renamed
 from rackmend.config import (CompressionConfig, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig,
                              SyncerConfig)
 # One machinery turns config fields into options, for ``rackmend syncer`` and here.
@@ -86,14 +87,19 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--learners", type=int, default=4, help="number of learners (racks), named L0.. (default 4)")
+    racks = len(SimConfig().racks)
+    p.add_argument("--learners", type=int, default=racks, help=f"number of learners (racks), named L0.. (default {racks})")
     p.add_argument("--step-time", type=_floats, default=[1.0], metavar="S[,S...]",
                    help="seconds per inner step: one value for all, or one per learner (default 1)")
-    p.add_argument("--jitter", type=float, default=0.0, help="relative step-time spread in [0, 1) (default 0)")
+    p.add_argument("--step-jitter", type=float, default=RackSpec().jitter,
+                   help="relative step-time spread in [0, 1): a step takes step_time * (1 + J*u), u uniform in "
+                        "[-1, 1] (default %(default)s)")
+    refuse_renamed(p, {"--jitter": "--step-jitter (the step-time spread; a link's latency spread is "
+                                   "--latency-jitter in `rackmend demo` and `rackmend link`)"})
     p.add_argument("--latency", type=_floats, default=[0.0], metavar="S[,S...]",
                    help="one-way link latency in seconds, each way: one value or one per learner (default 0)")
-    p.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
-                   help="link bandwidth each way in bytes/s (default unlimited)")
+    p.add_argument("--bandwidth", type=bandwidth_flag, default=None, metavar="RATE",
+                   help="link bandwidth each way, e.g. 50Mbit or 6MB/s, or 'none' (default: no cap)")
     p.add_argument("--kill", type=_kill, action="append", default=[], metavar="I:AT[:REJOIN]",
                    help="learner I dies at AT seconds (and rejoins at REJOIN); repeatable, also for one learner")
     p.add_argument("--slow", type=_slow, action="append", default=[], metavar="I:FACTOR[:START[:END]]",
@@ -135,8 +141,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         raise ConfigError(f"--learners must be >= 1, got {n}")
     steps = _per_learner(args.step_time, n, "--step-time")
     latency = _per_learner(args.latency, n, "--latency")
-    racks = tuple(RackSpec(step_time=s, jitter=args.jitter, uplink_latency=lat, downlink_latency=lat,
-                           uplink_bandwidth=args.bandwidth, downlink_bandwidth=args.bandwidth)
+    bytes_per_s = None if args.bandwidth is None else args.bandwidth / 8
+    racks = tuple(RackSpec(step_time=s, jitter=args.step_jitter, uplink_latency=lat, downlink_latency=lat,
+                           uplink_bandwidth=bytes_per_s, downlink_bandwidth=bytes_per_s)
                   for s, lat in zip(steps, latency))
     run = RackmendConfig(schedule=ScheduleConfig(**_section(args, ScheduleConfig)),
                          syncer=SyncerConfig(**_section(args, SyncerConfig)),

@@ -195,8 +195,9 @@ class SimConfig:
     run: RackmendConfig = field(default_factory=RackmendConfig)
     """The run's rules, shared by the syncer core and every learner core (H, P, tau,
     quorum, grace, outer optimizer, apply rule, codecs, deterministic mode)."""
-    racks: tuple[RackSpec, ...] = (RackSpec(), RackSpec())
-    """One entry per learner, learner i is named ``L{i}``."""
+    racks: tuple[RackSpec, ...] = (RackSpec(),) * 4
+    """One entry per learner, learner i is named ``L{i}`` (``rackmend simulate --learners``
+    takes its default count from here)."""
     duration: float = 600.0
     """Virtual seconds simulated; events after it are not run."""
     seed: int = 0
