@@ -52,7 +52,7 @@ import zmq
 
 from rackmend.core.fragments import fingerprint, layout_from_wire, pack_fragments
 from rackmend.core.records import Joined, Left, Merged, SyncerRecord
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.core.syncer_fragment import global_values
 from rackmend.service.events import Fetched, Stopped, TakenOver, read_log
 from rackmend.transport import wire
@@ -174,7 +174,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.frags = pack_fragments(make_model(), P, H)
-        self.settings = LearnerSettings.from_config(_config())
+        self.settings = RunRules.from_config(_config())
         ctx = zmq.Context.instance()
         self.endpoint = endpoint
         self.peers = []

@@ -17,7 +17,7 @@ import zmq
 from rackmend.config import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.fragments import FragmentSpec, pack_fragments
 from rackmend.core.records import SyncerRecord
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.config import ServiceConfig
 from rackmend.service.core import ServiceCore
 from rackmend.service.events import read_event
@@ -88,13 +88,13 @@ class Learner:
     ``tests.test_trust.Raw`` does over a socket): it reads what the core sent it, and
     acknowledges updates as a link does."""
 
-    def __init__(self, rig: Rig, learner: str, *, key: str | None = None, settings: LearnerSettings | None = None,
+    def __init__(self, rig: Rig, learner: str, *, key: str | None = None, settings: RunRules | None = None,
                  frags: list[FragmentSpec] | None = None) -> None:
         self.rig = rig
         self.learner = learner
         self.ident = b"conn-%d" % next(_IDENTS)
         self.key = key
-        self.settings = settings or LearnerSettings.from_config(rig.config)
+        self.settings = settings or RunRules.from_config(rig.config)
         self.frags = frags or pack_fragments(make_model(), rig.config.schedule.num_fragments, 4)
         self.session = next(_SESSIONS)
         self.seq = itertools.count(1)

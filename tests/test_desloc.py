@@ -18,7 +18,7 @@ from rackmend import (CompressionConfig, InProcessSyncer, LearnerConfig, Rackmen
 from rackmend.config import ConfigError
 from rackmend.core.fragments import fragment_tensors, pack_fragments
 from rackmend.core.messages import MomentContribution, moment_spec
-from rackmend.core.settings import LearnerSettings, peer_mismatch, syncer_mismatch
+from rackmend.core.settings import RunRules, peer_mismatch, syncer_mismatch
 from rackmend.core.records import Dropped, Guarded, MomentsMerged, Rejected, SyncerRecord
 from rackmend.core.syncer import LearnerJoined, MomentsArrived, SendMomentUpdate, SyncerCore
 from rackmend.service.checkpoint import load_checkpoint, save_checkpoint
@@ -282,14 +282,14 @@ def test_settings_are_validated() -> None:
 
 
 def test_learners_must_agree_and_the_syncer_must_know_the_codec() -> None:
-    on = LearnerSettings.from_config(_config(2, 1))
-    other_k = LearnerSettings.from_config(_config(2, 1, ku=H))
-    off = LearnerSettings.from_config(_config(2, 1, desloc=False))
+    on = RunRules.from_config(_config(2, 1))
+    other_k = RunRules.from_config(_config(2, 1, ku=H))
+    off = RunRules.from_config(_config(2, 1, desloc=False))
     assert (on.desloc_ku, on.desloc_kv) == (3 * H, 6 * H)
     assert peer_mismatch("b", other_k, "a", on).setting == "desloc"
     assert peer_mismatch("b", off, "a", on).setting == "desloc"
     assert peer_mismatch("b", on, "a", on) is None
-    bf16 = LearnerSettings.from_config(_config(2, 1, moments="bf16"))
+    bf16 = RunRules.from_config(_config(2, 1, moments="bf16"))
     mismatch = syncer_mismatch("b", bf16, _config(2, 1))
     assert mismatch is not None and "--moments-codec bf16" in mismatch.reason
     # Off: the hello carries exactly the keys it did before DES-LOC; on, they parse back.

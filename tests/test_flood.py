@@ -15,7 +15,7 @@ import zmq
 
 from rackmend.core.fragments import FragmentSpec, TensorSpec, fragment_offsets
 from rackmend.core.records import Joined, Left, Merged
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.events import BadMessage, MessageLimit, SettingsRefused, Stopped, Suppressed, UnknownPeer
 from rackmend.service.config import ALL_CONNECTIONS_BURST, LOG_WINDOW_S
 from rackmend.service.config import STRANGER_MAX_BYTES, layout_message_limit
@@ -161,7 +161,7 @@ def test_a_hello_and_leave_storm_from_one_connection_writes_a_bounded_log(procs:
     storm = Raw(endpoint, "storm")
     storm.sock.setsockopt(zmq.SNDHWM, 0)
     hello = [bytes(f) for f in wire.hello_frames("storm", 0, 1, storm.frags,
-                                                 LearnerSettings.from_config(CONFIG))]
+                                                 RunRules.from_config(CONFIG))]
     leave = [bytes(f) for f in wire.encode({"type": "leave", "learner": "storm", "rank": 0})]
     rounds = 300
     try:
@@ -193,7 +193,7 @@ def test_a_fresh_syncer_cuts_off_a_strangers_huge_message_unread() -> None:
         stranger.send_multipart([wire.encode({"type": "heartbeat", "learner": "x", "rank": 0})[0],
                                  bytes(300 << 20)])
         assert _error_reasons(stranger, 5.0) == [], "the huge message reached the syncer"
-        other.send(wire.hello_frames("l0", 0, 1, other.frags, LearnerSettings.from_config(CONFIG)))
+        other.send(wire.hello_frames("l0", 0, 1, other.frags, RunRules.from_config(CONFIG)))
         reply = other.recv(10.0)
         assert reply is not None and reply[0]["type"] == "init_request", reply
     finally:
@@ -248,7 +248,7 @@ def test_a_first_learner_larger_than_the_default_cap_is_refused_naming_max_messa
            for p, off in enumerate(fragment_offsets(2, 4))]
     raw = Raw(endpoint, "big")
     try:
-        raw.send(wire.hello_frames("big", 0, 1, big, LearnerSettings.from_config(CONFIG)))
+        raw.send(wire.hello_frames("big", 0, 1, big, RunRules.from_config(CONFIG)))
         reply = raw.recv(10.0)
     finally:
         raw.close()

@@ -21,7 +21,7 @@ import zmq.auth
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution, Update
 from rackmend.core.records import Joined, Left, Merged, Rejected
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.events import AuthDenied, IdentityRefused, Silent, Suppressed, TakenOver
 from rackmend.transport import wire
 from rackmend.transport.base import TransportError
@@ -233,7 +233,7 @@ def test_a_join_refused_as_busy_says_so_and_why() -> None:
         frags = holder.frags
         initial = [[torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors] for spec in frags]
         try:
-            link.join("l0", frags, initial, 3.0, settings=LearnerSettings.from_config(CONFIG))
+            link.join("l0", frags, initial, 3.0, settings=RunRules.from_config(CONFIG))
         except TransportError as exc:
             text = str(exc)
         else:
@@ -286,7 +286,7 @@ def test_with_curve_a_key_speaks_only_as_its_learner_ids(procs: Procs, tmp_path:
         l0.send(l0.contribution(base=0))
         err = raw_error(l0, 10.0)
         assert err is not None and err["code"] == "denied" and "may speak as ['l0'] only" in err["reason"], err
-        l0.send(wire.hello_frames("l1", 0, 1, l0.frags, LearnerSettings.from_config(CONFIG)))
+        l0.send(wire.hello_frames("l1", 0, 1, l0.frags, RunRules.from_config(CONFIG)))
         err = raw_error(l0, 10.0)
         assert err is not None and err["code"] == "fatal" and "not as 'l1'" in err["reason"], err
     finally:
@@ -402,7 +402,7 @@ def _join_in_thread(link: ZmqLink, frags: list) -> threading.Thread:
     """The link's join, on a thread (it returns once the fake syncer has welcomed it)."""
     initial = [[torch.zeros(t.shape, dtype=t.dtype) for t in spec.tensors] for spec in frags]
     th = threading.Thread(target=lambda: link.join("l0", frags, initial, 30.0,
-                                                   settings=LearnerSettings.from_config(CONFIG)), daemon=True)
+                                                   settings=RunRules.from_config(CONFIG)), daemon=True)
     th.start()
     return th
 

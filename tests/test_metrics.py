@@ -23,7 +23,7 @@ from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.records import Merged, Rejected
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.cli import add_syncer_arguments, build, resolve
 from rackmend.service.metrics import SyncerMetrics, is_loopback_host
 from rackmend.service.config import ServiceConfig
@@ -44,7 +44,7 @@ def join_raw(endpoint: str, lid: str, H: int, P: int, tau: int) -> tuple[Dealer,
     sch = ScheduleConfig(sync_every=H, num_fragments=P, overlap=tau)
     layout = pack_fragments(make_model(), P, H, sch.packing, buffers=sch.sync_buffers)
     raw = Dealer(endpoint)
-    raw.send(wire.hello_frames(lid, 0, 1, layout, LearnerSettings.from_config(RackmendConfig(schedule=sch))))
+    raw.send(wire.hello_frames(lid, 0, 1, layout, RunRules.from_config(RackmendConfig(schedule=sch))))
     got: dict[int, int] = {}
     while len(got) < P:
         header = raw.recv(20)

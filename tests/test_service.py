@@ -36,7 +36,7 @@ from rackmend.service.events import (
     UplinkCodecDiffers,
 )
 from rackmend.core.messages import Contribution
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.transport import wire
 from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import ZmqLink
@@ -310,7 +310,7 @@ def test_a_join_that_hears_nothing_says_what_the_connection_does() -> None:
     and its handshake is pending, which points at the port, not at the syncer's rules."""
     frags = pack_fragments(make_model(), 2, 4)
     initial = [[torch.zeros(t.shape) for t in f.tensors] for f in frags]
-    settings = LearnerSettings.from_config(RAW_CONFIG)
+    settings = RunRules.from_config(RAW_CONFIG)
 
     def join_error(endpoint: str) -> str:
         link = ZmqLink(endpoint, rank=0, world_size=1)
@@ -518,7 +518,7 @@ def test_a_contribution_a_restarted_syncer_did_not_take_in_goes_again_after_the_
     resumed = None
     try:
         joined = link.join("l0", frags, [[torch.zeros(t.shape, dtype=t.dtype) for t in f.tensors] for f in frags],
-                           20.0, settings=LearnerSettings.from_config(RAW_CONFIG))
+                           20.0, settings=RunRules.from_config(RAW_CONFIG))
         epoch = joined[0].epoch
         first.stop()
         thread.join(20)  # its checkpoint holds version 0 of both fragments

@@ -19,7 +19,7 @@ from rackmend import RackmendConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.pieces import Piece, whole_pieces
 from rackmend.core.records import Incomplete, Joined, Left, Merged, PieceDropped, Rejected
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.events import BadMessage, Gated, InitRequested, Listening, SettingsRefused
 from rackmend.transport import wire
 
@@ -291,7 +291,7 @@ def test_rack_killed_and_relaunched_sharded_another_way_is_not_refused_for_its_o
 def _hello(lid: str, rank: int, world: int, pieces: object) -> list:
     config = RackmendConfig(schedule=ScheduleConfig(sync_every=H, num_fragments=P, overlap=TAU))
     return wire.hello_frames(lid, rank, world, pack_fragments(make_model(), P, H),
-                             LearnerSettings.from_config(config), pieces)  # type: ignore[arg-type]
+                             RunRules.from_config(config), pieces)  # type: ignore[arg-type]
 
 
 def _rows(lo_frac: float, hi_frac: float, extra: int = 0) -> tuple:

@@ -18,7 +18,7 @@ from rackmend.config import ConfigError
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Left, Merged, Rejected, SyncerRecord
 from rackmend.core.shards import Shard, owner, parse_shard
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.events import CheckpointWritten, Resumed
 from rackmend.service.export import ExportError, export_model
 from rackmend.transport import wire
@@ -65,7 +65,7 @@ def test_a_hello_for_another_shard_or_an_unsharded_learner_is_refused_by_name() 
                               (Shard(), "meant for syncer shard 0/1, but it is shard 1/2")):
             raw = Raw(svc.endpoint, "l0")
             try:
-                raw.send(wire.hello_frames("l0", 0, 1, raw.frags, LearnerSettings.from_config(CONFIG), shard=shard))
+                raw.send(wire.hello_frames("l0", 0, 1, raw.frags, RunRules.from_config(CONFIG), shard=shard))
                 reply = raw.recv(10.0)
             finally:
                 raw.close()
@@ -74,7 +74,7 @@ def test_a_hello_for_another_shard_or_an_unsharded_learner_is_refused_by_name() 
         # The right one joins; a message about the other shard's fragment is refused, naming it.
         raw = Raw(svc.endpoint, "l1")
         try:
-            raw.send(wire.hello_frames("l1", 0, 1, raw.frags, LearnerSettings.from_config(CONFIG),
+            raw.send(wire.hello_frames("l1", 0, 1, raw.frags, RunRules.from_config(CONFIG),
                                        shard=Shard(1, 2)))
             assert raw.recv(10.0)[0]["type"] == "init_request"
             raw.send(wire.init_frames("l1", 0, 0, [torch.zeros(t.shape) for t in raw.frags[0].tensors]))

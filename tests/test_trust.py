@@ -32,7 +32,7 @@ from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Combined, Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
 from rackmend.core.syncer import GUARD_RATE_SLACK, GUARD_STEPS_CAP, RETIRED_SESSIONS
 from rackmend.core.syncer_fragment import GUARD_LONG_GROWTH
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
 from rackmend.transport.zmq_link import new_session
@@ -577,7 +577,7 @@ class Raw:
         return header, frames[1:]
 
     def hello(self) -> None:
-        self.send(wire.hello_frames(self.learner, 0, 1, self.frags, LearnerSettings.from_config(CONFIG)))
+        self.send(wire.hello_frames(self.learner, 0, 1, self.frags, RunRules.from_config(CONFIG)))
         end = time.monotonic() + 20
         got = set()
         while time.monotonic() < end and len(got) < len(self.frags):
@@ -687,7 +687,7 @@ def test_learner_id_with_trailing_newline_is_refused(live, lid: str) -> None:  #
     svc, records, raw = live
     Raw(svc.endpoint, "seed").hello()  # a started core: a bad hello is not answered with init_request
     raw.learner = lid
-    raw.send(wire.hello_frames(lid, 0, 1, raw.frags, LearnerSettings.from_config(CONFIG)))
+    raw.send(wire.hello_frames(lid, 0, 1, raw.frags, RunRules.from_config(CONFIG)))
     errors = raw.errors(5.0)
     assert errors and errors[0]["code"] == "bad_message" and "learner id" in errors[0]["reason"], errors
     assert not any(r.learner == lid for r in of(records, Joined))
@@ -700,7 +700,7 @@ def test_learners_option_is_the_list_of_ids_that_may_join() -> None:
     svc, records, thread = serving(config)
     stranger, member = Raw(svc.endpoint, "mallory"), Raw(svc.endpoint, "l0")
     try:
-        stranger.send(wire.hello_frames("mallory", 0, 1, stranger.frags, LearnerSettings.from_config(config)))
+        stranger.send(wire.hello_frames("mallory", 0, 1, stranger.frags, RunRules.from_config(config)))
         errors = stranger.errors(10.0)
         assert errors and errors[0]["code"] == "fatal" and "--learners" in errors[0]["reason"], errors
         member.hello()  # raises if refused

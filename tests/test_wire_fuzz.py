@@ -21,7 +21,7 @@ from rackmend.codecs import make_codec
 from rackmend.core.fragments import pack_fragments
 from rackmend.core.messages import Contribution
 from rackmend.core.records import Joined, Merged, Rejected
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.service.events import BadMessage, InternalError, Stopped, UnknownPeer
 from rackmend.transport import wire
@@ -55,7 +55,7 @@ class Rig:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.svc.endpoint)
-        self.send(wire.hello_frames("mallory", 0, 1, self.frags, LearnerSettings.from_config(CONFIG)))
+        self.send(wire.hello_frames("mallory", 0, 1, self.frags, RunRules.from_config(CONFIG)))
         self.drain(2.0)
 
     def _healthy(self) -> None:
@@ -335,7 +335,7 @@ def test_every_hello_field_mutated_is_refused_quickly_and_the_syncer_serves_on(r
     bounds, world=2**63 raised OverflowError out of serve() (the syncer exited) and
     world=30_000_000 stalled it for seconds."""
     fuzz = _fuzz_module()
-    valid = msgpack.unpackb(wire.hello_frames("hz", 0, 1, rig.frags, LearnerSettings.from_config(CONFIG))[0])
+    valid = msgpack.unpackb(wire.hello_frames("hz", 0, 1, rig.frags, RunRules.from_config(CONFIG))[0])
     stranger = zmq.Context.instance().socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(rig.svc.endpoint)
@@ -411,7 +411,7 @@ def test_each_side_types_what_it_receives_in_one_place() -> None:
     becomes its own class (the services dispatch on the class, never on the header's
     string); anything else, and a message sent the wrong way, is refused by name."""
     frags = pack_fragments(make_model(), 2, 4)
-    settings = LearnerSettings.from_config(CONFIG)
+    settings = RunRules.from_config(CONFIG)
     values = [torch.zeros(t.shape, dtype=t.dtype) for t in frags[0].tensors]
     from_learner = {
         wire.HelloIn: wire.hello_frames("l0", 0, 1, frags, settings),

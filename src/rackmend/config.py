@@ -53,6 +53,7 @@ __all__ = [
     "check_choice",
     "field_docs",
     "literal_choices",
+    "schedule_problem",
 ]
 
 Weighting = Literal["tokens_sq_per_step", "tokens", "uniform"]
@@ -199,6 +200,29 @@ def field_docs(cls: type) -> dict[str, str]:
     return out
 
 
+def schedule_problem(*, sync_every: int, num_fragments: int, overlap: int, desloc_ku: int | None = None,
+                     desloc_kv: int | None = None) -> str | None:
+    """The first rule that H, P, tau and DES-LOC's periods break, as a sentence saying what
+    to change; None when they hold. The one statement of these rules: ``ScheduleConfig``
+    asks it of a config, ``core.settings.RunRules.validate`` of what a learner reports
+    at hello (the wire refuses a hello that breaks one)."""
+    if sync_every < 1:
+        return f"sync_every (H) must be >= 1, got {sync_every}"
+    for name, k in (("desloc_ku", desloc_ku), ("desloc_kv", desloc_kv)):
+        if k is not None and (k < 1 or k % sync_every):
+            return (f"{name}={k} is not a positive multiple of sync_every (H)={sync_every}: moments leave with "
+                    f"a parameter send of their fragment; set {name} to a multiple of {sync_every} (or None for "
+                    "the default)")
+    if num_fragments < 1:
+        return f"num_fragments (P) must be >= 1, got {num_fragments}"
+    if overlap < 0:
+        return f"overlap (tau) must be >= 0, got {overlap}"
+    if overlap >= sync_every:
+        return (f"overlap (tau)={overlap} must be smaller than sync_every (H)={sync_every}: a fragment's merged "
+                "value must land before the fragment is due again; lower overlap or raise sync_every")
+    return None
+
+
 @frozen_config
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
@@ -265,23 +289,13 @@ class ScheduleConfig:
                 self.desloc_kv if self.desloc_kv is not None else 6 * H)
 
     def validate(self) -> None:
-        _check(self.sync_every >= 1, f"sync_every (H) must be >= 1, got {self.sync_every}")
         for name in ("desloc_ku", "desloc_kv"):
             k = getattr(self, name)
             _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
                    f"{name} must be a whole number of inner steps >= 1, or None for the default, got {k!r}")
-            _check(k is None or k % self.sync_every == 0,
-                   f"{name}={k} is not a multiple of sync_every (H)={self.sync_every}: moments leave with a "
-                   f"parameter send of their fragment; set {name} to a multiple of {self.sync_every} (or None "
-                   "for the default)")
-        _check(self.num_fragments >= 1, f"num_fragments (P) must be >= 1, got {self.num_fragments}")
-        _check(self.overlap >= 0, f"overlap (tau) must be >= 0, got {self.overlap}")
-        _check(
-            self.overlap < self.sync_every,
-            f"overlap (tau)={self.overlap} must be smaller than sync_every (H)={self.sync_every}: "
-            "a fragment's merged value must land before the fragment is due again; "
-            "lower overlap or raise sync_every",
-        )
+        problem = schedule_problem(sync_every=self.sync_every, num_fragments=self.num_fragments,
+                                   overlap=self.overlap, desloc_ku=self.desloc_ku, desloc_kv=self.desloc_kv)
+        _check(problem is None, problem or "")
         _check_choices(self)
 
     def __post_init__(self) -> None:

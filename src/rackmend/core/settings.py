@@ -22,15 +22,19 @@ from typing import Any
 
 from rackmend.codecs.base import CodecError
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.config import RackmendConfig, RunConfig, SyncerConfig
+from rackmend.config import (APPLY_RULES, ConfigError, RackmendConfig, RunConfig, SyncerConfig,
+                             schedule_problem)
 
-__all__ = ["LearnerSettings", "SyncerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch", "same_codec",
-           "syncer_differences"]
+__all__ = ["APPLIED_RULES", "RunRules", "SyncerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch",
+           "same_codec", "syncer_differences"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class LearnerSettings:
-    """What a learner reports at hello (``RackmendConfig`` values)."""
+class RunRules:
+    """The rules of a run that learners and the syncer must agree on (``RackmendConfig``
+    values): what a learner reports at hello, the first learner's H, P, apply rule and
+    DES-LOC periods then hold for the run. ``validate`` is the one check of their
+    consistency, for a config (``from_config``) and for a hello from the wire alike."""
 
     sync_every: int
     """H of ``ScheduleConfig``."""
@@ -57,13 +61,30 @@ class LearnerSettings:
     """``CompressionConfig.moments`` spec string."""
 
     @classmethod
-    def from_config(cls, config: RackmendConfig) -> "LearnerSettings":
+    def from_config(cls, config: RackmendConfig) -> "RunRules":
         sch, comp = config.schedule, config.compression
         ku, kv = sch.moment_periods() if sch.desloc else (0, 0)
         return cls(sync_every=sch.sync_every, num_fragments=sch.num_fragments, overlap=sch.overlap,
                    deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink,
                    apply=config.apply_rule(), desloc=sch.desloc, desloc_ku=ku, desloc_kv=kv,
                    moments=comp.moments)
+
+    def validate(self) -> None:
+        """ConfigError naming the first rule broken: H, P, tau and DES-LOC's periods
+        (``config.schedule_problem``), the apply rule (resolved: not ``auto``) and the
+        codec specs (parsed, not built)."""
+        ku, kv = (self.desloc_ku, self.desloc_kv) if self.desloc else (None, None)
+        problem = schedule_problem(sync_every=self.sync_every, num_fragments=self.num_fragments,
+                                   overlap=self.overlap, desloc_ku=ku, desloc_kv=kv)
+        if problem is not None:
+            raise ConfigError(problem)
+        if self.apply not in APPLIED_RULES:
+            raise ConfigError(f"apply must be one of {', '.join(APPLIED_RULES)} (auto resolved), got {self.apply!r}")
+        for name in ("uplink", "downlink", "moments"):
+            try:
+                parse_codec_spec(getattr(self, name))
+            except CodecError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -104,6 +125,9 @@ class SyncerSettings:
                 "failslow": self.failslow}
 
 
+APPLIED_RULES: tuple[str, ...] = tuple(r for r in APPLY_RULES if r != "auto")
+"""The apply rules a learner reports (``auto`` is resolved before it says hello)."""
+
 _SYNCER_FLAGS = {"min_quorum": "--min-quorum", "grace_max": "--grace-max", "weighting": "--weighting"}
 
 
@@ -140,7 +164,7 @@ def same_codec(a: str, b: str) -> bool:
         return a == b
 
 
-def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RunConfig) -> Mismatch | None:
+def syncer_mismatch(learner_id: str, s: RunRules, config: RunConfig) -> Mismatch | None:
     """The first setting in which learner ``learner_id`` disagrees with the syncer's ``config``."""
     tau = config.schedule.overlap
     if s.overlap != tau:
@@ -169,7 +193,7 @@ def syncer_mismatch(learner_id: str, s: LearnerSettings, config: RunConfig) -> M
     return None
 
 
-def peer_mismatch(learner_id: str, s: LearnerSettings, first_id: str, first: LearnerSettings) -> Mismatch | None:
+def peer_mismatch(learner_id: str, s: RunRules, first_id: str, first: RunRules) -> Mismatch | None:
     """H, P or the apply rule of learner ``learner_id`` unlike those of ``first_id``, whose
     values the run uses."""
     if s.apply != first.apply:

@@ -72,16 +72,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("emulated link of every learner")
     g.add_argument("--bandwidth", type=bandwidth_flag, default=None if link.bandwidth_mbit is None
                    else link.bandwidth_mbit * 1e6, metavar="RATE",
-                   help=f"per direction, e.g. 50Mbit or 6MB/s, or 'none' for no cap (default {link.bandwidth_mbit:g}Mbit)")
+                   help=f"per direction, e.g. 50Mbit or 6MB/s, or 'none' for no cap "
+                        f"(default {link.bandwidth_mbit:g}Mbit)")
     g.add_argument("--latency-ms", type=float, default=link.latency_ms, help="one-way latency (default %(default)s)")
     g.add_argument("--latency-jitter", type=float, default=link.jitter,
                    help="latency spread, fraction (default %(default)s)")
     g = p.add_argument_group("faults (times are fractions of --duration; learner indices from 0; 'none' turns one off)")
     g.add_argument("--no-faults", action="store_true", help="inject no fault at all")
-    g.add_argument("--kill-learner", type=_learner_or_none, default=f.kill_learner, help="learner to SIGKILL and restart")
+    g.add_argument("--kill-learner", type=_learner_or_none, default=f.kill_learner,
+                   help="learner to SIGKILL and restart")
     g.add_argument("--kill-window", type=_window, default=(f.kill_at, f.restart_at),
                    help="KILL_AT:RESTART_AT (default %(default)s)")
-    g.add_argument("--slow-learner", type=_learner_or_none, default=f.slow_learner, help="learner that turns fail-slow")
+    g.add_argument("--slow-learner", type=_learner_or_none, default=f.slow_learner,
+                   help="learner that turns fail-slow")
     g.add_argument("--slow-window", type=_window, default=(f.slow_from, f.slow_until),
                    help="FROM:UNTIL (default %(default)s)")
     g.add_argument("--slow-factor", type=float, default=f.slow_factor, help="step time multiplier (default %(default)s)")

@@ -68,7 +68,7 @@ from rackmend.core.learner import (
     WaitForVersion,
 )
 from rackmend.core.messages import MomentUpdate, Update
-from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_differences
+from rackmend.core.settings import RunRules, SyncerSettings, syncer_differences
 from rackmend.learner.binding import Mismatch, compare, launcher, local_of, sharding
 from rackmend.learner.device import CudaCopies
 from rackmend.learner.pieces import RackPieces, refuse_differing_copies, refuse_fsdp1
@@ -771,7 +771,7 @@ class RackmendOptimizer(torch.optim.Optimizer):
         layout = self.core.layout
         sharded = {"pieces": layout.owned} if layout.sharded else {}
         updates = self.link.join(self.learner_id, self.fragments, initial, self.config.learner.join_timeout,
-                                 settings=LearnerSettings.from_config(self.config), **sharded)
+                                 settings=RunRules.from_config(self.config), **sharded)
         self.syncer_settings: SyncerSettings | None = self.link.syncer_settings
         """The round settings the syncer stated when this learner joined (min_quorum,
         grace_max, weighting, failslow); None from a syncer or link that predates them."""

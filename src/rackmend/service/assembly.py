@@ -23,7 +23,7 @@ from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution
 from rackmend.core.pieces import Piece, RankPieces, whole_pieces
 from rackmend.core.records import Incomplete, PieceDropped, SyncerRecord
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.core.shards import Shard
 from rackmend.service.events import BadMessage
 from rackmend.service.membership import Peer, Refuse
@@ -94,7 +94,7 @@ class PendingInit:
     (values of two learners' different initialisations must never be mixed). One
     connection for a plain learner, every rank's for a sharded one."""
     seeder_id: str
-    settings: LearnerSettings
+    settings: RunRules
     asked_at: float
     """When the seeder was asked, or last delivered a fragment."""
     values: dict[int, tuple[Any, ...]] = field(default_factory=dict)

@@ -19,7 +19,7 @@ import torch
 
 from rackmend.config import ConfigError
 from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
-from rackmend.core.settings import LearnerSettings
+from rackmend.core.settings import RunRules
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.syncer import SyncerCore
 from rackmend.core.syncer_fragment import global_values
@@ -38,7 +38,7 @@ class Saved:
     """The model's whole layout (every fragment, in the model's numbering)."""
     values: list[list[torch.Tensor]]
     """Per fragment of this shard (from 0), its saved value: what the core starts from."""
-    first: tuple[str, LearnerSettings] | None
+    first: tuple[str, RunRules] | None
     """The learner whose H and P the run uses; None in checkpoints that predate it."""
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
@@ -61,7 +61,7 @@ class Checkpoints:
         """When the last checkpoint was written (None: none yet)."""
 
     def save(self, core: SyncerCore | None, *, layout: list[FragmentSpec] | None, merges: int,
-             rejected_messages: int, first: tuple[str, LearnerSettings] | None) -> Path | None:
+             rejected_messages: int, first: tuple[str, RunRules] | None) -> Path | None:
         """Write ``core``'s state with the service's; None without a core or a directory."""
         if core is None or not self.directory:
             return None
@@ -100,7 +100,7 @@ class Checkpoints:
             values = global_values(tensors, self.shard.fragments(whole))
             first = meta.get("first_learner")
             if first is not None:
-                first = (first["learner"], LearnerSettings(**first["settings"]))
+                first = (first["learner"], RunRules(**first["settings"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"resume: the checkpoint in {self.directory}: {type(exc).__name__}: {exc}") from None
         return Saved(layout=whole, values=values, first=first, tensors=tensors, meta=meta,

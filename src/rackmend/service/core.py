@@ -34,7 +34,7 @@ from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, RunConfi
 from rackmend.core.failslow import AdviseLearner, FailSlowAction
 from rackmend.core.fragments import FragmentSpec, fragment_problem
 from rackmend.core.records import Joined, Left, Merged, Rejected, SyncerRecord
-from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.shards import owner as owner_shard
 from rackmend.core.syncer import (
@@ -152,7 +152,7 @@ class ServiceCore:
         self.rejected_messages = 0
         self.merges = 0
         self._pending: PendingInit | None = None
-        self._first: tuple[str, LearnerSettings] | None = None
+        self._first: tuple[str, RunRules] | None = None
         """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
         self.started_at = clock()
         self.status_requests = 0
@@ -497,7 +497,7 @@ class ServiceCore:
 
     # ------------------------------------------------------------------ core driving
     def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]],
-                    settings: LearnerSettings | None) -> None:
+                    settings: RunRules | None) -> None:
         """The core, with the run's H, P, tau and apply rule taken from the learner that
         set them (the syncer has no value of its own for H, P and the apply rule, and
         its grace window depends on them)."""

@@ -28,7 +28,7 @@ from typing import Callable
 from rackmend.config import RunConfig
 from rackmend.core.fragments import FragmentSpec, fingerprint, layout_difference
 from rackmend.core.pieces import Piece, RankPieces, cover_problem, is_whole, pieces_problem, whole_pieces
-from rackmend.core.settings import LearnerSettings, Mismatch, peer_mismatch, same_codec, syncer_mismatch
+from rackmend.core.settings import RunRules, Mismatch, peer_mismatch, same_codec, syncer_mismatch
 from rackmend.core.shards import Shard
 from rackmend.service.config import ServiceConfig, layout_message_limit
 from rackmend.service.events import (
@@ -158,7 +158,7 @@ class Membership:
     def ranks_of(self, lid: str) -> list[bytes]:
         return [i for i, p in self.peers.items() if p.learner_id == lid]
 
-    def admit(self, ident: bytes, msg: wire.Message, *, first: tuple[str, LearnerSettings] | None,
+    def admit(self, ident: bytes, msg: wire.Message, *, first: tuple[str, RunRules] | None,
               layout: list[FragmentSpec] | None, zmq_cap: int) -> wire.Hello | None:
         """The hello in ``msg`` if it may join (refused, logged and answered otherwise):
         its rank is free or silent (``may_take``), this connection speaks for no other rank,
@@ -210,7 +210,7 @@ class Membership:
         self._refuse(ident, IdentityRefused, "busy", reason, learner=lid, rank=rank, type="hello")
         return False
 
-    def settings_agree(self, ident: bytes, hello: wire.Hello, *, first: tuple[str, LearnerSettings] | None,
+    def settings_agree(self, ident: bytes, hello: wire.Hello, *, first: tuple[str, RunRules] | None,
                        layout: list[FragmentSpec] | None, zmq_cap: int) -> bool:
         """Refuse (``fatal``, logged) a learner whose settings or layout cannot work with
         this run; note once per learner an uplink codec other than the syncer's."""

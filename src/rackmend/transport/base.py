@@ -17,7 +17,7 @@ from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
-from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.settings import RunRules, SyncerSettings
 
 __all__ = ["LearnerLink", "TransportError", "QueueLink"]
 
@@ -62,7 +62,7 @@ class LearnerLink(abc.ABC):
         initial: Sequence[Sequence[torch.Tensor]],
         timeout: float,
         *,
-        settings: LearnerSettings,
+        settings: RunRules,
         pieces: RankPieces | None = None,
     ) -> list[Update]:
         """Announce ``learner_id`` with its parameter layout; return the current value

@@ -23,7 +23,7 @@ from rackmend.core.failslow import AdviseLearner, FailSlowAction, FailSlowReport
 from rackmend.core.fragments import FragmentSpec, fragment_tensors, layout_difference, pack_fragments
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
-from rackmend.core.settings import LearnerSettings, SyncerSettings, syncer_mismatch
+from rackmend.core.settings import RunRules, SyncerSettings, syncer_mismatch
 from rackmend.core.syncer import (
     ContributionArrived,
     Event,
@@ -194,7 +194,7 @@ class InProcessLink(QueueLink):
 
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
-             settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Update]:
+             settings: RunRules, pieces: RankPieces | None = None) -> list[Update]:
         if pieces is not None:
             raise TransportError(f"join of {learner_id}: a sharded rack (DTensor parameters) needs the network "
                                  "syncer (ZmqLink to `rackmend syncer`); the in-process carrier serves whole tensors")

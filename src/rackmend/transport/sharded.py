@@ -21,7 +21,7 @@ from rackmend.core.failslow import FailSlowReport
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, MomentUpdate, Update
 from rackmend.core.pieces import RankPieces
-from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard, owner
 from rackmend.transport.base import LearnerLink, TransportError
 from rackmend.transport.zmq_link import ZmqLink
@@ -66,7 +66,7 @@ class ShardedLink(LearnerLink):
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
-             settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Update]:
+             settings: RunRules, pieces: RankPieces | None = None) -> list[Update]:
         """Join every shard at once (each seeds, or answers with, its own fragments); the
         first shard's failure is raised, naming it."""
         got: list[list[Update]] = [[] for _ in self.links]

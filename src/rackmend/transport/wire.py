@@ -21,16 +21,15 @@ import msgpack
 import torch
 
 from rackmend.codecs.base import Codec, CodecError, Encoded
-from rackmend.config import APPLY_RULES, WEIGHTINGS
+from rackmend.config import WEIGHTINGS, ConfigError
 from rackmend.codecs.registry import CODECS, codec_by_id
-from rackmend.codecs.registry import parse_codec_spec
 from rackmend.core.fragments import (FragmentSpec, TensorSpec, dtype_name, fingerprint, fragment_problem,
                                      layout_from_wire, layout_to_wire)
 from rackmend.core.failslow import REPORT_STATES, FailSlowReport
 from rackmend.core.merge import run_jobs
 from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContribution, MomentUpdate, Update, moment_spec
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
-from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard
 
 __all__ = [
@@ -124,8 +123,6 @@ _LEARNER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 """Matched with ``fullmatch``: ``match`` with ``$`` accepts a trailing newline."""
 MAX_SESSION = 2**63 - 1
 """Sessions are random 63-bit numbers (they survive a JSON checkpoint as plain ints)."""
-APPLIED_RULES = tuple(r for r in APPLY_RULES if r != "auto")
-"""What a learner reports as its apply rule (``auto`` is resolved before)."""
 MAX_EPOCH = 2**52 - 1
 """Syncer epochs are drawn below this (exact as a float64 too, for JSON tools)."""
 TOKEN_BYTES = 16
@@ -336,7 +333,7 @@ def parse_fail_slow(msg: Message, learner_id: str | None = None) -> FailSlowRepo
 
 
 def hello_frames(learner_id: str, rank: int, world: int, fragments: Sequence[FragmentSpec],
-                 settings: LearnerSettings, pieces: RankPieces | None = None,
+                 settings: RunRules, pieces: RankPieces | None = None,
                  shard: Shard | None = None, token: str | None = None) -> list[Any]:
     """Announce a learner rank: its layout, the settings the syncer checks and, for a
     rank of a sharded rack, the pieces it owns (None: whole fragments p = rank mod world).
@@ -595,7 +592,7 @@ def parse_from_syncer(frames: Sequence[Any], max_message_bytes: int) -> FromSync
     return _FROM_SYNCER[msg.type](msg)
 
 
-_MAX_CODEC_SPEC = 200
+_MAX_SETTING_STR = 200
 _DESLOC_KEYS = ("desloc", "desloc_ku", "desloc_kv", "moments")
 
 
@@ -607,7 +604,7 @@ class Hello:
     rank: int
     world: int
     layout: list[FragmentSpec]
-    settings: LearnerSettings
+    settings: RunRules
     pieces: RankPieces | None = None
     """The pieces a rank of a sharded rack owns, per fragment; None: a plain rank. Their
     structure is checked here, their bounds by the syncer (``pieces_problem``), which
@@ -619,16 +616,13 @@ class Hello:
     """The resume token it presents (from an earlier ``welcome``); None: none."""
 
 
-def _codec_setting(raw: dict[str, Any], name: str) -> str:
-    """A codec spec among a hello's settings, bounded and parsed (not built)."""
-    spec = _field(raw, name, str)
-    if len(spec) > _MAX_CODEC_SPEC:
-        raise WireError(f"hello: settings.{name} is longer than {_MAX_CODEC_SPEC} characters")
-    try:
-        parse_codec_spec(spec)
-    except CodecError as exc:
-        raise WireError(f"hello: settings.{name}: {str(exc)[:300]}") from None
-    return spec
+def _setting_str(raw: dict[str, Any], name: str) -> str:
+    """A string among a hello's settings (an apply rule, a codec spec), bounded in length;
+    what it may say is ``RunRules.validate``'s to check."""
+    text = _field(raw, name, str)
+    if len(text) > _MAX_SETTING_STR:
+        raise WireError(f"hello: settings.{name} is longer than {_MAX_SETTING_STR} characters")
+    return text
 
 
 def parse_hello(msg: Message) -> Hello:
@@ -649,38 +643,35 @@ def parse_hello(msg: Message) -> Hello:
         raise WireError("hello lacks field 'settings' (sync_every, num_fragments, overlap, deterministic, apply, "
                         "uplink, downlink): the learner runs an older rackmend; upgrade it")
     raw = _field(h, "settings", dict)
-    expected = set(LearnerSettings.__dataclass_fields__)
-    # DES-LOC's keys come only with DES-LOC on (``LearnerSettings.to_wire``).
+    expected = set(RunRules.__dataclass_fields__)
+    # DES-LOC's keys come only with DES-LOC on (``RunRules.to_wire``).
     required = expected - set(_DESLOC_KEYS) if raw.get("desloc") is None else expected
     if not required <= set(raw) <= expected:
         raise WireError(f"hello: settings must have exactly the keys {sorted(required)}, "
                         f"got {sorted(str(k)[:40] for k in raw)[:10]}")
+    # Types and bounds here; the rules between the values are RunRules.validate's alone.
     values: dict[str, Any] = {
         "sync_every": _field(raw, "sync_every", int, minimum=1, maximum=MAX_SYNC_EVERY),
         "num_fragments": _field(raw, "num_fragments", int, minimum=1),
         "overlap": _field(raw, "overlap", int, minimum=0),
         "deterministic": _field(raw, "deterministic", bool),
-        "apply": _field(raw, "apply", str),
+        "apply": _setting_str(raw, "apply"),
     }
-    if values["apply"] not in APPLIED_RULES:
-        raise WireError(f"hello: settings.apply must be one of {', '.join(APPLIED_RULES)}, "
-                        f"got {values['apply'][:40]!r}")
-    if values["overlap"] >= values["sync_every"]:
-        raise WireError(f"hello: overlap {values['overlap']} must be smaller than sync_every {values['sync_every']}")
     if values["num_fragments"] != len(layout):
         raise WireError(f"hello: settings say num_fragments={values['num_fragments']}, the layout has "
                         f"{len(layout)} fragments")
     for name in ("uplink", "downlink"):
-        values[name] = _codec_setting(raw, name)
+        values[name] = _setting_str(raw, name)
     if "desloc" in raw:
         if _field(raw, "desloc", bool) is not True:
             raise WireError("hello: settings.desloc is sent only when true")
-        ku, kv = (_field(raw, k, int, minimum=values["sync_every"], maximum=MAX_SYNC_EVERY)
-                  for k in ("desloc_ku", "desloc_kv"))
-        if ku % values["sync_every"] or kv % values["sync_every"]:
-            raise WireError(f"hello: desloc_ku {ku} and desloc_kv {kv} must be multiples of sync_every "
-                            f"{values['sync_every']}")
-        values.update(desloc=True, desloc_ku=ku, desloc_kv=kv, moments=_codec_setting(raw, "moments"))
+        values.update({k: _field(raw, k, int, minimum=1, maximum=MAX_SYNC_EVERY) for k in ("desloc_ku", "desloc_kv")},
+                      desloc=True, moments=_setting_str(raw, "moments"))
+    settings = RunRules(**values)
+    try:
+        settings.validate()
+    except ConfigError as exc:
+        raise WireError(f"hello: settings: {str(exc)[:300]}") from None
     pieces = None
     if "pieces" in h:
         raw_pieces = _field(h, "pieces", list)
@@ -696,7 +687,7 @@ def parse_hello(msg: Message) -> Hello:
             raise WireError(f"hello: shard must be [s, S] with 0 <= s < S <= {MAX_SHARDS}, got {str(raw_shard)[:40]}")
         shard = Shard(*raw_shard)
     token = _token(h) if "token" in h else None
-    return Hello(h["learner"], rank, world, layout, LearnerSettings(**values), pieces, shard, token)
+    return Hello(h["learner"], rank, world, layout, settings, pieces, shard, token)
 
 
 def message_pieces(msg: Message, fragments: Sequence[FragmentSpec], p: int) -> tuple[Piece, ...] | None:

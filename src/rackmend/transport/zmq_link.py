@@ -41,7 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rackmend.core.fragments import FragmentSpec
 from rackmend.core.messages import Contribution, MomentContribution, Update
 from rackmend.core.pieces import Piece, RankPieces, whole_pieces, wire_pieces
-from rackmend.core.settings import LearnerSettings, SyncerSettings
+from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard
 from rackmend.transport import wire
 from rackmend.transport.base import QueueLink, TransportError
@@ -259,7 +259,7 @@ class ZmqLink(QueueLink):
     # ------------------------------------------------------------------ LearnerLink
     def join(self, learner_id: str, fragments: Sequence[FragmentSpec],
              initial: Sequence[Sequence[torch.Tensor]], timeout: float, *,
-             settings: LearnerSettings, pieces: RankPieces | None = None) -> list[Update]:
+             settings: RunRules, pieces: RankPieces | None = None) -> list[Update]:
         """As ``LearnerLink.join``; ``pieces``: for a rank of a sharded rack, the pieces it
         owns per fragment (``initial`` then holds this rank's local tensors, of which the
         owned ones seed a fresh syncer). Updates carry those pieces only."""
