@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rackmend import InProcessSyncer, RackmendConfig, RackmendOptimizer
+from rackmend.config import RunConfig
 from rackmend.core.records import SyncerRecord
 from rackmend.service import ServiceConfig, SyncerService
 from rackmend.service.events import read_event
@@ -151,7 +152,7 @@ def keygen(directory: Path, name: str, *extra: str) -> None:
     assert main(["keygen", str(directory), name, *extra]) == 0, f"keygen {name} failed"
 
 
-def serving(config: RackmendConfig, **service: object) -> tuple[SyncerService, list[SyncerRecord], threading.Thread]:
+def serving(config: RunConfig, **service: object) -> tuple[SyncerService, list[SyncerRecord], threading.Thread]:
     """A syncer service on 127.0.0.1 (any free port unless ``bind`` says) serving on a daemon
     thread, and the list its log records are also appended to, typed (``watch_log``). Stop
     it with ``svc.stop(); thread.join(20)``."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import zmq
 
-from rackmend.config import RackmendConfig, ScheduleConfig, SyncerConfig
+from rackmend.config import RackmendConfig, RunConfig, ScheduleConfig, SyncerConfig
 from rackmend.core.fragments import FragmentSpec, pack_fragments
 from rackmend.core.records import SyncerRecord
 from rackmend.core.settings import RunRules
@@ -50,7 +50,8 @@ class Rig:
     """A ``ServiceCore`` with a fake clock; ``records`` is its log, typed."""
 
     def __init__(self, config: RackmendConfig = CONFIG, *, key_ids: dict[str, frozenset[str] | None] | None = None,
-                 **service: Any) -> None:
+                 syncer: RunConfig | None = None, **service: Any) -> None:
+        """``config``: the learners'; ``syncer``: the syncer's own (default ``config``)."""
         self.clock = FakeClock()
         self.config = config
         self.records: list[SyncerRecord] = []
@@ -59,7 +60,7 @@ class Rig:
         self.full: set[bytes] = set()
         """Connections whose transport queue is full (a peer that reads nothing): sends to
         them raise ``zmq.Again``, as ZeroMQ's do, and wait in the core's outbox."""
-        self.node = ServiceCore(config, ServiceConfig(bind="tcp://127.0.0.1:0", **service), send=self._send,
+        self.node = ServiceCore(syncer or config, ServiceConfig(bind="tcp://127.0.0.1:0", **service), send=self._send,
                                 clock=self.clock, emit=lambda line: self.records.append(read_event(line)),
                                 epoch=11, key_ids=key_ids)
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rackmend.config import ConfigError
+from rackmend.config import ConfigError, RunConfig
 from rackmend.service.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, CheckpointError, load_checkpoint
 from rackmend.service.events import Resumed, read_log
 from rackmend.service.export import ExportError, export_model
@@ -31,15 +31,19 @@ from procs import of
 from test_trust import CONFIG, Raw
 
 
-def _checkpointed_run(directory: Path, *, resume: bool = False) -> list:
+def _checkpointed_run(directory: Path, *, resume: bool = False,
+                      inspect: Callable[[SyncerService], None] = lambda svc: None) -> list:
     """A service seeded by one learner (or resumed), stopped: it writes a checkpoint.
-    Its log's records."""
+    Its log's records. ``inspect`` sees the service after the learner's hello."""
     log = directory.parent / f"{directory.name}.jsonl"
     log.unlink(missing_ok=True)
-    svc, _, thread = serving(CONFIG, checkpoint_dir=str(directory), resume=resume, log_path=str(log))
+    # What `rackmend syncer` builds: the syncer's own settings, no schedule.
+    syncer = RunConfig(syncer=CONFIG.syncer, compression=CONFIG.compression, deterministic=CONFIG.deterministic)
+    svc, _, thread = serving(syncer, checkpoint_dir=str(directory), resume=resume, log_path=str(log))
     raw = Raw(svc.endpoint, "l0")
     try:
         raw.hello()
+        inspect(svc)
     finally:
         raw.close()
         svc.stop()
@@ -132,6 +136,33 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_bad(
     # The learner that joined the resumed run was served finite values: its checkpoint is good again.
     tensors, _ = load_checkpoint(directory)  # type: ignore[misc]
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+
+
+def test_a_checkpoint_without_the_runs_rules_resumes_under_the_first_hellos(good: Path, tmp_path: Path) -> None:
+    """Checkpoints written before hellos carried H, P and tau have no ``first_learner``:
+    the syncer makes none up but restores the checkpoint when the first learner says
+    hello, under that learner's rules, and the next checkpoint records them."""
+    directory = _copy(good, tmp_path / "ck", previous=False)
+    _spoil(directory / CHECKPOINT_NAME, meta=lambda m: m.pop("first_learner"))
+    with safe_open(str(directory / CHECKPOINT_NAME), framework="pt") as f:
+        versions = json.loads(f.metadata()["rackmend"])["versions"]
+    sch = CONFIG.schedule
+    seen = []
+
+    def rules(svc: SyncerService) -> None:
+        core = svc.node.core
+        assert core is not None
+        seen.append((core.config.schedule.sync_every, core.config.schedule.num_fragments))
+
+    records = _checkpointed_run(directory, resume=True, inspect=rules)
+    assert seen == [(sch.sync_every, sch.num_fragments)]
+    (resumed,) = of(records, Resumed)
+    assert list(resumed.versions) == versions
+    _, meta = load_checkpoint(directory)  # type: ignore[misc]
+    settings = meta["first_learner"]["settings"]
+    assert meta["first_learner"]["learner"] == "l0"
+    assert (settings["sync_every"], settings["num_fragments"], settings["overlap"]) == (
+        sch.sync_every, sch.num_fragments, sch.overlap)
 
 
 def test_the_commands_refuse_a_bad_checkpoint_with_exit_2_and_no_traceback(good: Path, tmp_path: Path) -> None:

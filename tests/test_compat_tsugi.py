@@ -88,7 +88,7 @@ def test_settings_map_to_rackmends_and_the_syncer_flags_agree() -> None:
     s = _syncer_config(c.syncer_flags(("a", "b")))
     for name in ("min_quorum", "grace_max", "weighting", "learners"):
         assert getattr(s.syncer, name) == getattr(r.syncer, name), name
-    assert s.schedule.overlap == r.schedule.overlap and s.deterministic == r.deterministic
+    assert s.syncer.overlap == r.schedule.overlap and s.deterministic == r.deterministic  # pinned
     assert MendConfig(sync_period_steps=1).overlap == 0, "tau must stay below H"
     assert MendConfig(concurrent_outer_step=False).overlap == 0
     assert MendConfig(token_weighted_merge=True).to_rackmend().syncer.weighting == "tokens_sq_per_step"

@@ -98,14 +98,18 @@ def test_codec_names_are_checked_against_the_registry() -> None:
 
 def test_the_syncer_config_has_no_learner_part() -> None:
     run = RunConfig(deterministic=True)
-    assert {f.name for f in dataclasses.fields(RunConfig)} == {"schedule", "syncer", "compression", "deterministic"}
+    assert {f.name for f in dataclasses.fields(RunConfig)} == {"syncer", "compression", "deterministic"}
     full = RackmendConfig(deterministic=True)
     assert isinstance(full, RunConfig) and full.apply_rule() == "overwrite"
     assert not hasattr(run, "apply_rule") and run.replace(deterministic=False).deterministic is False
     schedule = ScheduleConfig()
     object.__setattr__(schedule, "packing", "stripes")  # past the freeze and its own check
     with pytest.raises(ConfigError, match="packing='stripes'.*balanced, strided"):
-        RunConfig(schedule=schedule)  # a part's values are checked again
+        RackmendConfig(schedule=schedule)  # a part's values are checked again
+    with pytest.raises(ConfigError, match="SyncerConfig.overlap=1 pins tau on the syncer, but ScheduleConfig.overlap "
+                                          "is 2"):
+        RackmendConfig(syncer=SyncerConfig(overlap=1))
+    assert RackmendConfig(syncer=SyncerConfig(overlap=2)).syncer.overlap == 2
 
 
 def test_a_config_cannot_change_under_a_built_optimizer(one_thread: None) -> None:

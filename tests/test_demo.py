@@ -35,7 +35,6 @@ def test_arm_configs_reach_the_syncer_unchanged() -> None:
         config, _ = service_cli.build(service_cli.resolve(p.parse_args(syncer_flags(spec)), environ={}))
         assert config.syncer == spec.config.syncer, name
         assert config.deterministic == spec.config.deterministic, name
-        assert config.schedule.overlap == spec.config.schedule.overlap, name
         assert config.compression == spec.config.compression, name
         assert config_from_dict(json.loads(json.dumps(config_to_dict(spec.config)))) == spec.config
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rackmend import CompressionConfig, RackmendConfig, RackmendOptimizer, ScheduleConfig, SyncerConfig
 
-from rackmend.config import ConfigError
+from rackmend.config import ConfigError, RunConfig
 from rackmend.core.fragments import fingerprint, layout_to_wire, pack_fragments
 from rackmend.core.records import FinalMerged, Joined, Left, Merged, Rejected, Superseded
 from rackmend.service import ServiceConfig, SyncerService
@@ -390,11 +390,12 @@ def test_learner_with_another_overlap_is_refused_by_name(procs: Procs, tmp_path:
 
 
 def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners() -> None:
-    """deterministic and the downlink codec must equal the syncer's; H and P must equal
-    the other learners'; another uplink codec is fine but logged once per learner."""
-    config = RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1),
-                            compression=CompressionConfig(downlink="int8"))
-    rig = CoreRig(config)
+    """deterministic and the downlink codec must equal the syncer's; H, P and tau must
+    equal the first learner's (the syncer has no schedule of its own); another uplink
+    codec is fine but logged once per learner."""
+    down = CompressionConfig(downlink="int8")
+    rig = CoreRig(RackmendConfig(schedule=ScheduleConfig(sync_every=3, num_fragments=2, overlap=1), compression=down),
+                  syncer=RunConfig(compression=down))
 
     def hello(lid: str, settings: dict, **layout: int) -> wire.ErrorIn | None:
         errors = errors_in(rig.learner(lid).send(_hello(lid, settings, **layout)))
@@ -414,12 +415,17 @@ def test_hello_settings_are_checked_against_the_syncer_and_the_other_learners() 
     assert err and err.code == "fatal" and "sync_every" in err.reason and "4" in err.reason
     err = hello("p1", _settings(1, P=1, downlink="int8"), P=1)
     assert err and err.code == "fatal" and "num_fragments" in err.reason
+    err = hello("tau0", _settings(0, downlink="int8"))
+    assert err and err.code == "fatal" and "overlap (tau) differs" in err.reason and "the first to join" in err.reason
+    assert rig.node.core is not None
+    sch = rig.node.core.config.schedule
+    assert (sch.sync_every, sch.num_fragments, sch.overlap) == (3, 2, 1), "the syncer runs the first learner's rules"
     err = hello("ow", _settings(1, downlink="int8", apply="overwrite"))
     assert err and err.code == "fatal" and "apply" in err.reason and "'keep_local'" in err.reason
     assert hello("up", _settings(1, downlink="int8:block_size=256")) is None  # the same codec, spelt out
     refused = {e.learner: e.setting for e in rig.of(SettingsRefused)}
     assert refused == {"det": "deterministic", "down": "downlink", "h4": "sync_every", "p1": "num_fragments",
-                       "ow": "apply"}
+                       "tau0": "overlap", "ow": "apply"}
     uplink = rig.of(UplinkCodecDiffers)
     assert [(e.learner, e.learner_codec, e.syncer_codec) for e in uplink] == [("seed", "int4", "none")]
     assert {e.learner for e in rig.of(Joined)} == {"seed", "up"}

@@ -169,10 +169,10 @@ def test_count_absent_is_on_by_default_and_can_be_turned_off() -> None:
 
 # ---------------------------------------------------------------- one source: the dataclasses
 
-SYNCER_PARTS = {ServiceConfig: None, ScheduleConfig: ("overlap",), SyncerConfig: None, CompressionConfig: None,
-                RunConfig: ("deterministic",)}
+SYNCER_PARTS = {ServiceConfig: None, SyncerConfig: None, CompressionConfig: None, RunConfig: ("deterministic",)}
 """Which fields of which dataclass the syncer takes (None: all): the learners set H, P,
-packing, sync_buffers and the apply rule and report them at hello."""
+tau, packing, sync_buffers and the apply rule and report them at hello (``--overlap``,
+``SyncerConfig.overlap``, may pin tau)."""
 
 
 def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
@@ -287,8 +287,8 @@ def test_every_earlier_flag_still_parses(tmp_path: Path) -> None:
     values = resolve(parse(*argv), {})
     assert values["failslow"] is False and values["deterministic"] is True
     run = RunConfig(
-        schedule=ScheduleConfig(sync_every=2, num_fragments=1, overlap=1),
-        syncer=SyncerConfig(min_quorum=2, learners=("a", "b"), grace_max=1.5, grace_gamma=0.5, weighting="uniform",
+        syncer=SyncerConfig(overlap=1, min_quorum=2, learners=("a", "b"), grace_max=1.5, grace_gamma=0.5,
+                            weighting="uniform",
                             merge="rda", outer_optimizer="Adam", outer_lr=0.5, outer_kwargs={"eps": 1e-6},
                             anchoring="learner_base", max_staleness=9, count_absent=False, norm_guard=0,
                             failslow=False, failslow_min_slowdown=0.2, failslow_min_steps=11,

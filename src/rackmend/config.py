@@ -316,6 +316,12 @@ class SyncerConfig:
     a list in TOML). Rounds end early once every one of them that is healthy is in.
     Empty: any id may join, and every learner that joins is expected."""
 
+    overlap: int | None = None
+    """tau, pinned on the syncer: a learner whose ``ScheduleConfig.overlap`` differs is
+    refused at join. None (the default): the run takes tau, like H, P and the apply rule,
+    from the first learner to join, and refuses a later one that differs. The syncer's
+    grace window depends on it."""
+
     grace_max: float = 2.0
     """Upper bound in seconds on the grace window after quorum, and the window used
     before any step-time estimate exists. Too large: rounds wait for dead learners
@@ -504,6 +510,8 @@ class SyncerConfig:
                 f"min_quorum (K)={self.min_quorum} is larger than the {len(self.learners)} expected "
                 "learners: no round could ever end; lower min_quorum or list more learners",
             )
+        _check(self.overlap is None or self.overlap >= 0,
+               f"overlap (tau) must be None (the learners') or >= 0, got {self.overlap}")
         _check(self.grace_max >= 0, f"grace_max must be >= 0 seconds, got {self.grace_max}")
         _check(
             0 < self.grace_gamma <= 1,
@@ -700,13 +708,11 @@ class CompressionConfig:
 @frozen_config
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """The settings of a run the syncer needs: all of ``RackmendConfig`` but how a learner
-    applies merged values. ``rackmend syncer`` builds one of these; of the schedule it
-    uses only ``overlap``, since H, P and the apply rule are the learners' (they report
-    them at hello, and the first learner's values hold for the run)."""
-
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    """Sync period, fragments and overlap."""
+    """The settings of a run the syncer has of its own: all of ``RackmendConfig`` but the
+    schedule and how a learner applies merged values. ``rackmend syncer`` builds one of
+    these. H, P, tau, DES-LOC's periods and the apply rule are the learners' (their
+    ``RunRules``, reported at hello): the first learner's values hold for the run, and the
+    syncer never makes any up (``SyncerConfig.overlap`` may pin tau)."""
 
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """Quorum, grace, weighting, merge and outer optimizer."""
@@ -739,8 +745,19 @@ class RunConfig:
 class RackmendConfig(RunConfig):
     """Everything a rackmend run needs; learner and syncer must use equal values."""
 
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Sync period, fragments and overlap."""
+
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """How merged values are applied on the learner."""
+
+    def validate(self) -> None:
+        super().validate()
+        pinned = self.syncer.overlap
+        _check(pinned is None or pinned == self.schedule.overlap,
+               f"SyncerConfig.overlap={pinned} pins tau on the syncer, but ScheduleConfig.overlap is "
+               f"{self.schedule.overlap}: the syncer would refuse this learner; set both to one value (or leave "
+               "SyncerConfig.overlap at None)")
 
     def apply_rule(self) -> str:
         """``learner.apply`` with ``auto`` resolved (see ``LearnerConfig.apply``)."""

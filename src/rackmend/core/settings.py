@@ -4,9 +4,10 @@ A learner and the syncer that disagree on tau, on deterministic mode or on the
 downlink codec still exchange well-formed messages, so nothing would fail: rounds
 would just be timed or applied wrongly. The same holds for DES-LOC (whether moments
 are averaged, how often, and their codec). Learners therefore state these settings at
-``hello`` and the syncer refuses a mismatch by name. H and P decide when each fragment
-is sent; the syncer has no value of its own for them, so every learner must use the
-one the first learner used. The uplink codec may differ: each message names its codec.
+``hello`` and the syncer refuses a mismatch by name. H, P and tau decide when each
+fragment is sent and merged; the syncer has no value of its own for them (it may pin
+tau: ``SyncerConfig.overlap``), so every learner must use the one the first learner
+used. The uplink codec may differ: each message names its codec.
 
 The other way, the syncer states the settings that govern its rounds (``SyncerSettings``)
 in its answer to a join. A learner's config carries a ``SyncerConfig`` too, but the
@@ -22,8 +23,8 @@ from typing import Any
 
 from rackmend.codecs.base import CodecError
 from rackmend.codecs.registry import parse_codec_spec
-from rackmend.config import (APPLY_RULES, ConfigError, RackmendConfig, RunConfig, SyncerConfig,
-                             schedule_problem)
+from rackmend.config import (APPLY_RULES, ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig,
+                             SyncerConfig, schedule_problem)
 
 __all__ = ["APPLIED_RULES", "RunRules", "SyncerSettings", "Mismatch", "syncer_mismatch", "peer_mismatch",
            "same_codec", "syncer_differences"]
@@ -68,6 +69,15 @@ class RunRules:
                    deterministic=config.deterministic, uplink=comp.uplink, downlink=comp.downlink,
                    apply=config.apply_rule(), desloc=sch.desloc, desloc_ku=ku, desloc_kv=kv,
                    moments=comp.moments)
+
+    def config(self, run: RunConfig) -> RackmendConfig:
+        """The run's whole config: these rules with the syncer's own settings ``run``."""
+        return RackmendConfig(
+            schedule=ScheduleConfig(sync_every=self.sync_every, num_fragments=self.num_fragments,
+                                    overlap=self.overlap, desloc=self.desloc, desloc_ku=self.desloc_ku or None,
+                                    desloc_kv=self.desloc_kv or None),
+            learner=LearnerConfig(apply=self.apply), syncer=run.syncer, compression=run.compression,
+            deterministic=run.deterministic)
 
     def validate(self) -> None:
         """ConfigError naming the first rule broken: H, P, tau and DES-LOC's periods
@@ -166,12 +176,12 @@ def same_codec(a: str, b: str) -> bool:
 
 def syncer_mismatch(learner_id: str, s: RunRules, config: RunConfig) -> Mismatch | None:
     """The first setting in which learner ``learner_id`` disagrees with the syncer's ``config``."""
-    tau = config.schedule.overlap
-    if s.overlap != tau:
+    tau = config.syncer.overlap
+    if tau is not None and s.overlap != tau:
         return Mismatch("overlap", s.overlap, tau, (
-            f"overlap (tau) differs: learner {learner_id} has overlap={s.overlap}, the syncer has {tau} "
+            f"overlap (tau) differs: learner {learner_id} has overlap={s.overlap}, the syncer pins {tau} "
             f"(its grace window waits for stragglers only inside tau steps of slack). Start the syncer with "
-            f"--overlap {s.overlap}, or set ScheduleConfig(overlap={tau}) on the learner"))
+            f"--overlap {s.overlap} (or without --overlap), or set ScheduleConfig(overlap={tau}) on the learner"))
     det = config.deterministic
     if s.deterministic != det:
         fix = "with --deterministic" if s.deterministic else "without --deterministic"
@@ -209,8 +219,8 @@ def peer_mismatch(learner_id: str, s: RunRules, first_id: str, first: RunRules) 
             f"DES-LOC settings differ: learner {learner_id} has {mine}, but the run uses {theirs} (set by learner "
             f"{first_id}, the first to join); moment rounds need every learner's moments on the same steps. Set "
             f"ScheduleConfig(desloc=..., desloc_ku=..., desloc_kv=...) on {learner_id} to the run's values"))
-    for name, field, letter in (("sync_every", "sync_every", "H"), ("num_fragments", "num_fragments", "P")):
-        mine, theirs = getattr(s, field), getattr(first, field)
+    for name, letter in (("sync_every", "H"), ("num_fragments", "P"), ("overlap", "tau")):
+        mine, theirs = getattr(s, name), getattr(first, name)
         if mine != theirs:
             return Mismatch(name, mine, theirs, (
                 f"{name} ({letter}) differs: learner {learner_id} has {name}={mine}, but the run uses {theirs} "

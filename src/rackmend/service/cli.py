@@ -8,11 +8,11 @@ An option that is on by default is also turned off by ``--no-NAME``
 one table, printed by ``rackmend syncer --help-markdown``.
 
 The options are not declared here: each is a field of ``ServiceConfig``, ``SyncerConfig``
-or ``CompressionConfig``, or one of the two run settings learners must match
-(``ScheduleConfig.overlap``, ``RunConfig.deterministic``), and its name, default, allowed
+or ``CompressionConfig``, or ``RunConfig.deterministic``, and its name, default, allowed
 values (a ``Literal`` type) and help text (the field's docstring) come from that field.
-``LearnerConfig`` gives no options: how learners apply merged values is theirs to set,
-and they report it at hello.
+``ScheduleConfig`` and ``LearnerConfig`` give no options: H, P, tau and how learners apply
+merged values are theirs to set, and they report them at hello (``--overlap``,
+``SyncerConfig.overlap``, may pin tau).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from rackmend.config import (
     CompressionConfig,
     ConfigError,
     RunConfig,
-    ScheduleConfig,
     SyncerConfig,
     check_choice,
     field_docs,
@@ -60,9 +59,8 @@ valid in a shared environment, so the syncer does not warn about them."""
 
 SECTIONS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
     (ServiceConfig, None),
-    # H, P, packing and sync_buffers are the learners' (the first learner's hello sets them
-    # for the run); tau is the syncer's too, since its grace window depends on it.
-    (ScheduleConfig, ("overlap",)),
+    # The schedule is the learners' (the first learner's hello sets it for the run);
+    # SyncerConfig.overlap may pin tau.
     (SyncerConfig, None),
     (CompressionConfig, None),
     (RunConfig, ("deterministic",)),
@@ -353,11 +351,7 @@ def _fields(owner: type, values: dict[str, Any]) -> dict[str, Any]:
 
 def build(values: dict[str, Any]) -> tuple[RunConfig, ServiceConfig]:
     """The syncer's run config and service config from ``resolve``'s values."""
-    schedule = _fields(ScheduleConfig, values)
     config = RunConfig(
-        # H and P are placeholders that satisfy tau < H: the run takes them from the first
-        # learner's hello. Only tau enters the syncer's grace window.
-        schedule=ScheduleConfig(sync_every=max(schedule["overlap"], 0) + 1, num_fragments=1, **schedule),
         syncer=SyncerConfig(**_fields(SyncerConfig, values)),
         compression=CompressionConfig(**_fields(CompressionConfig, values)),
         **_fields(RunConfig, values),

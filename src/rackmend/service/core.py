@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rackmend.config import ConfigError, LearnerConfig, RackmendConfig, RunConfig, ScheduleConfig
+from rackmend.config import ConfigError, RunConfig
 from rackmend.core.failslow import AdviseLearner, FailSlowAction
 from rackmend.core.fragments import FragmentSpec, fragment_problem
 from rackmend.core.records import Joined, Left, Merged, Rejected, SyncerRecord
@@ -52,7 +52,7 @@ from rackmend.core.syncer import (
 )
 from rackmend.core.syncer_runner import SyncerRunner
 from rackmend.service.assembly import PendingInit, PieceAssembly
-from rackmend.service.checkpointing import Checkpoints
+from rackmend.service.checkpointing import Checkpoints, Saved
 from rackmend.service.config import (ALL_CONNECTIONS_BURST, AUTO_ZMQ_CAP, LOG_WINDOW_S, STRANGER_MAX_BYTES,
                                      ServiceConfig, layout_message_limit)
 from rackmend.service.events import (
@@ -120,9 +120,10 @@ class ServiceCore:
     ``SyncerService`` is this core behind a ZeroMQ socket; tests drive it directly on a
     fake clock.
 
-    ``config`` holds the run's settings on the syncer's side; of its schedule only
-    ``overlap`` counts. H, P and the apply rule are the learners': the first learner's
-    hello sets them for the run (a ``RackmendConfig``'s ``learner`` part is not read).
+    ``config`` holds the run's settings on the syncer's side. H, P, tau, DES-LOC's periods
+    and the apply rule are the learners' (``RunRules``): the first learner's hello sets
+    them for the run (a ``RackmendConfig``'s ``schedule`` and ``learner`` parts are not
+    read; ``SyncerConfig.overlap`` may pin tau).
     ``key_ids``: with Curve and an allowed-keys directory, the learner ids each public
     key may use. ``epoch``: drawn at random when not given."""
 
@@ -153,6 +154,9 @@ class ServiceCore:
         self.merges = 0
         self._pending: PendingInit | None = None
         self._first: tuple[str, RunRules] | None = None
+        self._unruled: Saved | None = None
+        """A checkpoint to resume from that does not record the run's rules (written before
+        hellos carried them): restored under the first hello's."""
         """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
         self.started_at = clock()
         self.status_requests = 0
@@ -406,6 +410,10 @@ class ServiceCore:
             for other, gated in self.members.through_gate(ident, msg, hello, self._refused):
                 self._hello(other, gated, admitted=True)
             return
+        if self.core is None and self._unruled is not None:
+            saved, self._unruled = self._unruled, None
+            self._first = (lid, hello.settings)
+            self._restore(saved, hello.settings)
         if self.core is None:
             pend = self._pending
             if pend is None:
@@ -420,8 +428,6 @@ class ServiceCore:
                 self._send(ident, wire.encode({"type": "init_request"}))
             pend.waiting = [(i, m) for i, m in pend.waiting if i != ident] + [(ident, msg)]
             return
-        if self._first is None:  # resumed from a checkpoint that predates recorded settings
-            self._first = (lid, hello.settings)
         # admit checked: the hello presents the rank's token, or its holder was silent for takeover_after
         self.members.take_over(ident, lid, rank, hello.token)
         _, token = self.members.join(ident, hello, self.core.fragments)
@@ -496,21 +502,10 @@ class ServiceCore:
                 self._hello(waiting_ident, hello)
 
     # ------------------------------------------------------------------ core driving
-    def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]],
-                    settings: RunRules | None) -> None:
-        """The core, with the run's H, P, tau and apply rule taken from the learner that
-        set them (the syncer has no value of its own for H, P and the apply rule, and
-        its grace window depends on them)."""
-        run = self.config
-        schedule, learner = run.schedule, LearnerConfig()
-        if settings is not None:
-            schedule = ScheduleConfig(sync_every=settings.sync_every, num_fragments=settings.num_fragments,
-                                      overlap=run.schedule.overlap, desloc=settings.desloc,
-                                      desloc_ku=settings.desloc_ku or None, desloc_kv=settings.desloc_kv or None)
-            learner = LearnerConfig(apply=settings.apply)
-        config = RackmendConfig(schedule=schedule, syncer=run.syncer, compression=run.compression,
-                                deterministic=run.deterministic, learner=learner)
-        self.core = SyncerCore(config, layout, values, epoch=self.epoch)
+    def _start_core(self, layout: list[FragmentSpec], values: list[list[torch.Tensor]], rules: RunRules) -> None:
+        """The core, with the run's rules (H, P, tau, apply rule, DES-LOC) those of the
+        learner that set them: the syncer has none of its own."""
+        self.core = SyncerCore(rules.config(self.config), layout, values, epoch=self.epoch)
         self._runner = SyncerRunner(self.core, self.clock, send_update=self._on_update, record=self._on_record,
                                     send_moments=self._on_moments, fail_slow=self._on_fail_slow,
                                     merged=self._on_merged)
@@ -759,9 +754,16 @@ class ServiceCore:
     def _resume(self) -> None:
         saved = self.checkpoints.load()
         self._layout = saved.layout
-        self._first = saved.first
-        self._start_core(self.shard.fragments(saved.layout), saved.values,
-                         None if self._first is None else self._first[1])
+        if saved.first is None:
+            # Written before hellos carried the run's rules: the first hello brings them.
+            self._unruled = saved
+        else:
+            self._first = saved.first
+            self._restore(saved, saved.first[1])
+
+    def _restore(self, saved: Saved, rules: RunRules) -> None:
+        """Start the core on a checkpoint's values and state, under ``rules``."""
+        self._start_core(self.shard.fragments(saved.layout), saved.values, rules)
         assert self.core is not None
         try:
             self.core.load_state_dict(saved.tensors, saved.meta)

@@ -66,7 +66,7 @@ def _slow(text: str) -> Slowdown:
 
 SECTIONS: tuple[tuple[type, tuple[str, ...] | None], ...] = (
     (ScheduleConfig, ("sync_every", "num_fragments", "overlap")),
-    (SyncerConfig, tuple(f.name for f in dataclasses.fields(SyncerConfig) if f.name != "learners")),
+    (SyncerConfig, tuple(f.name for f in dataclasses.fields(SyncerConfig) if f.name not in ("learners", "overlap"))),
     (LearnerConfig, ("apply", "mix_alpha", "wait_timeout")),
     (RunConfig, ("deterministic",)),
     (CompressionConfig, ("uplink", "downlink")),
@@ -88,7 +88,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     racks = len(SimConfig().racks)
-    p.add_argument("--learners", type=int, default=racks, help=f"number of learners (racks), named L0.. (default {racks})")
+    p.add_argument("--learners", type=int, default=racks,
+                   help=f"number of learners (racks), named L0.. (default {racks})")
     p.add_argument("--step-time", type=_floats, default=[1.0], metavar="S[,S...]",
                    help="seconds per inner step: one value for all, or one per learner (default 1)")
     p.add_argument("--step-jitter", type=float, default=RackSpec().jitter,
