@@ -686,9 +686,9 @@ class Chaos:
         if loaded is None:
             self._violate("final_checkpoint", "no checkpoint after the syncer's SIGTERM")
             return {}
-        tensors, meta = loaded
-        versions = list(meta["versions"])
-        values = global_values(tensors, layout_from_wire(meta["layout"]))
+        tensors, meta = loaded.tensors, loaded.meta
+        versions = meta.versions
+        values = global_values(tensors, layout_from_wire(meta.layout))
         final = self.checker.current
         epoch = final.epoch if final is not None else -1
         if final is not None and final.last != versions:

@@ -134,7 +134,7 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_bad(
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert any(f"using the previous checkpoint {directory / PREVIOUS_NAME}" in r.getMessage() for r in caplog.records)
     # The learner that joined the resumed run was served finite values: its checkpoint is good again.
-    tensors, _ = load_checkpoint(directory)  # type: ignore[misc]
+    tensors = load_checkpoint(directory).tensors  # type: ignore[union-attr]
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
 
 
@@ -158,9 +158,9 @@ def test_a_checkpoint_without_the_runs_rules_resumes_under_the_first_hellos(good
     assert seen == [(sch.sync_every, sch.num_fragments)]
     (resumed,) = of(records, Resumed)
     assert list(resumed.versions) == versions
-    _, meta = load_checkpoint(directory)  # type: ignore[misc]
-    settings = meta["first_learner"]["settings"]
-    assert meta["first_learner"]["learner"] == "l0"
+    first = load_checkpoint(directory).meta.first_learner  # type: ignore[union-attr]
+    assert first is not None and first["learner"] == "l0"
+    settings = first["settings"]
     assert (settings["sync_every"], settings["num_fragments"], settings["overlap"]) == (
         sch.sync_every, sch.num_fragments, sch.overlap)
 

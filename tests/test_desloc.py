@@ -145,7 +145,7 @@ def test_syncer_checkpoint_round_trips_the_moments(tmp_path: Path) -> None:
     loaded = load_checkpoint(str(tmp_path))
     assert loaded is not None
     fresh = SyncerCore(config, core.fragments, [f.theta for f in core.frags], epoch=7)
-    fresh.load_state_dict(*loaded)
+    fresh.load_state_dict(loaded.tensors, loaded.meta)
     assert fresh.moments.versions == core.moments.versions
     for key, upd in core.moments.current.items():
         got = fresh.moments.current[key]
@@ -357,7 +357,7 @@ def test_syncer_and_learner_processes_equal_the_reference(procs: Procs, tmp_path
     assert {(e.fragment, e.kind) for e in rounds} == set(ref_moments) and len(ref_moments) == 2 * P
     loaded = load_checkpoint(str(ck))
     assert loaded is not None
-    tensors, meta = loaded
+    tensors = loaded.tensors
     for (p, kind), values in ref_moments.items():
         for i, value in enumerate(values):
             assert torch.equal(tensors[f"moments/{p}/{kind}/{i}"], value), f"checkpointed {kind} of fragment {p}"

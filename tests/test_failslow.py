@@ -352,7 +352,7 @@ def test_detector_state_survives_a_syncer_checkpoint(tmp_path: Path) -> None:
     assert loaded is not None
 
     resumed = make_core(join=False)
-    resumed.load_state_dict(*loaded)
+    resumed.load_state_dict(loaded.tensors, loaded.meta)
     assert resumed.failslow is not None and resumed.failslow.state_dict() == before
     for lid in "abc":  # the learners' hellos to the restarted syncer
         resumed.handle(LearnerJoined(lid), fleet.now)

@@ -32,6 +32,7 @@ from rackmend.core.fragments import pack_fragments
 from rackmend.core.records import Combined, Dropped, Guarded, Joined, Merged, Rejected, SyncerRecord
 from rackmend.core.syncer import GUARD_RATE_SLACK, GUARD_STEPS_CAP, RETIRED_SESSIONS
 from rackmend.core.syncer_fragment import GUARD_LONG_GROWTH
+from rackmend.core.checkpoint_meta import CheckpointMeta
 from rackmend.core.settings import RunRules
 from rackmend.service.events import CheckpointTempsRemoved, Listening, Resumed, SettingsRefused
 from rackmend.transport import wire
@@ -250,14 +251,15 @@ def test_guard_scale_from_a_checkpoint_written_before_the_growth_cap() -> None:
     core = make_core(K=2)
     _honest_rounds(core, 4)
     tensors, meta = core.state_dict()
-    del meta["norm_scale"]
+    raw = meta.to_json()  # as the file holds it, upgraded on read as format 1 was
+    del raw["norm_scale"], raw["scale_history"], raw["format"]
     resumed = make_core(K=2)
-    resumed.load_state_dict(tensors, meta)
+    resumed.load_state_dict(tensors, CheckpointMeta.from_json(raw))
     window = sorted(core.frags[0].norms)
     assert resumed.frags[0].norm_scale == window[(len(window) - 1) // 2]
-    del meta["norms"], meta["norm_steps"]  # older still: no guard state at all
+    del raw["norms"], raw["norm_steps"], raw["norm_learners"]  # older still: no guard state at all
     bare = make_core(K=2)
-    bare.load_state_dict(tensors, meta)
+    bare.load_state_dict(tensors, CheckpointMeta.from_json(raw))
     assert bare.frags[0].norm_scale is None and len(bare.frags[0].norms) == 0
 
 

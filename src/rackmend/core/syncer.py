@@ -39,6 +39,7 @@ import torch
 from rackmend.codecs.base import Encoded
 from rackmend.codecs.feedback import FeedbackEncoder
 from rackmend.config import RackmendConfig
+from rackmend.core.checkpoint_meta import CheckpointMeta
 from rackmend.core.failslow import (
     AdviseLearner,
     FailSlowAction,
@@ -490,8 +491,8 @@ class SyncerCore:
                 frozenset(lid for lid, m in members.items() if m.expected and (m.connected or deterministic)))
         return view
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything a restarted syncer needs: (tensors by name, plain JSON-able rest).
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], CheckpointMeta]:
+        """Everything a restarted syncer needs: (tensors by name, the rest, typed).
         Pending contributions are not kept: their senders send again next period."""
         tensors: dict[str, torch.Tensor] = {}
         per: list[dict[str, Any]] = []
@@ -499,78 +500,66 @@ class SyncerCore:
             t, m = f.state_dict()
             tensors.update(t)
             per.append(m)
-        meta = {
-            "versions": [m["version"] for m in per],
-            "optim": [m["optim"] for m in per],
-            "ema": {"step": self.step_time_estimate(), "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
-            "step_times": {lid: e.value for lid, e in sorted(self.step_times.items()) if e.value is not None},
-            "rejected": self.rejected,
-            "learners": sorted(self.members),
+        meta = CheckpointMeta(
+            fragments=per,
+            ema={"step": self.step_time_estimate(), "quorum": self.xi_quorum.value, "sync": self.xi_sync.value},
+            step_times={lid: e.value for lid, e in sorted(self.step_times.items()) if e.value is not None},
+            rejected=self.rejected,
+            learners=sorted(self.members),
             # A restarted syncer must still refuse replays of what it merged before, and
             # keep the guard's scale rather than start unguarded.
-            "sequences": [[lid, p, sess, seq, [list(r) for r in self.retired_sessions.get((lid, p), {}).items()]]
-                          for (lid, p), (sess, seq) in sorted(self.sequences.items())],
-            "session_floors": [[lid, p, floor] for (lid, p), floor in sorted(self.session_floor.items())],
-            "norms": [m["norms"] for m in per],
-            "norm_steps": [m["norm_steps"] for m in per],
-            "norm_scale": [m["norm_scale"] for m in per],
-            "norm_learners": [m["norm_learners"] for m in per],
-            "scale_history": [m["scale_history"] for m in per],
-            "last_counts": {lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
-            "last_merged": [[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
-            "epoch": self.epoch,
-            "lineage": [[e, list(kept)] for e, kept in self.lineage],
-        }
-        if self.failslow is not None:
-            meta["failslow"] = self.failslow.state_dict()
+            sequences=[[lid, p, sess, seq, [list(r) for r in self.retired_sessions.get((lid, p), {}).items()]]
+                       for (lid, p), (sess, seq) in sorted(self.sequences.items())],
+            session_floors=[[lid, p, floor] for (lid, p), floor in sorted(self.session_floor.items())],
+            last_counts={lid: [t, n] for lid, (t, n) in sorted(self.last_counts.items())},
+            last_merged=[[lid, p, v] for (lid, p), v in sorted(self.last_merged.items())],
+            epoch=self.epoch,
+            lineage=[[e, list(kept)] for e, kept in self.lineage],
+            failslow=None if self.failslow is None else self.failslow.state_dict(),
+        )
         if self.downlink is not None:
             for name, t in self.downlink.state_dict().items():
                 tensors[f"downlink/{name}"] = t
         if self.moments.enabled:
-            moment_tensors, meta["moments"] = self.moments.state_dict()
+            moment_tensors, meta.moments = self.moments.state_dict()
             tensors.update(moment_tensors)
         return tensors, meta
 
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore from ``state_dict()``'s output (same layout and config)."""
-        if len(meta["versions"]) != len(self.fragments):
-            raise ValueError(f"checkpoint has {len(meta['versions'])} fragments, the layout has {len(self.fragments)}")
-        for p, f in enumerate(self.frags):
-            part = {"version": meta["versions"][p], "optim": meta["optim"][p]}
-            # .get: checkpoints written before the replay and norm guards lack these,
-            # and those from before the growth cap lack the scale.
-            for key in ("norms", "norm_steps", "norm_scale", "norm_learners", "scale_history"):
-                if p < len(meta.get(key, ())):
-                    part[key] = meta[key][p]
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: CheckpointMeta) -> None:
+        """Restore from ``state_dict()``'s output (same layout and config); ``meta`` as
+        ``CheckpointMeta.from_json`` upgraded it, whatever format it was saved in."""
+        if len(meta.fragments) != len(self.fragments):
+            raise ValueError(f"checkpoint has {len(meta.fragments)} fragments, the layout has {len(self.fragments)}")
+        for f, part in zip(self.frags, meta.fragments):
             f.load_state_dict(tensors, part)
-        for lid, value in meta.get("step_times", {}).items():
+        for lid, value in meta.step_times.items():
             self.step_times.setdefault(lid, Ema(self.config.syncer.ema_decay)).value = float(value)
-        self.xi_quorum.value = meta["ema"]["quorum"]
-        self.xi_sync.value = meta["ema"]["sync"]
-        self.rejected = int(meta["rejected"])
-        for lid in meta["learners"]:
+        self.xi_quorum.value = meta.ema["quorum"]
+        self.xi_sync.value = meta.ema["sync"]
+        self.rejected = int(meta.rejected)
+        for lid in meta.learners:
             self.members.setdefault(lid, _Member(self._changes, connected=False, expected=True))
-        for lid, p, sess, seq, retired in meta.get("sequences", []):
+        for lid, p, sess, seq, retired in meta.sequences:
             self.sequences[(lid, int(p))] = (int(sess), int(seq))
-            # Before the seq of retired sessions was kept, any send of one was refused.
+            # Format 1 before the seq of retired sessions was kept: any send of one was refused.
             self.retired_sessions[(lid, int(p))] = {
                 int(r[0]) if isinstance(r, list) else int(r): int(r[1]) if isinstance(r, list) else MAX_SEQ
                 for r in retired}
-        for lid, p, floor in meta.get("session_floors", []):  # absent before the floor was kept
+        for lid, p, floor in meta.session_floors:
             self.session_floor[(lid, int(p))] = int(floor)
-        for lid, (t, n) in meta.get("last_counts", {}).items():
+        for lid, (t, n) in meta.last_counts.items():
             self.last_counts[lid] = (float(t), int(n))
-        for lid, p, v in meta.get("last_merged", []):
+        for lid, p, v in meta.last_merged:
             self.last_merged[(lid, int(p))] = int(v)
         # The run that wrote the checkpoint made the values up to its versions; anything
         # it made after them is lost. (Checkpoints older than epochs have no lineage.)
-        self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.get("lineage", [])]
-        if "epoch" in meta:
-            self.lineage.append((int(meta["epoch"]), [int(v) for v in meta["versions"]]))
-        if self.failslow is not None and "failslow" in meta:
+        self.lineage = [(int(e), [int(v) for v in kept]) for e, kept in meta.lineage]
+        if meta.epoch is not None:
+            self.lineage.append((meta.epoch, meta.versions))
+        if self.failslow is not None and meta.failslow is not None:
             # Baselines take hundreds of steps to learn, and a learner flagged slow stays
             # flagged (not waited for) until its steps are back, across the restart.
-            self.failslow.load_state_dict(meta["failslow"])
+            self.failslow.load_state_dict(meta.failslow)
             self._failslow_resumed = {lid for lid, _ in self.failslow.detectors}
             for lid in self.failslow.cases:
                 if lid in self.members:
@@ -579,8 +568,8 @@ class SyncerCore:
             # Without the residual, what the codec held back before the checkpoint is lost.
             self.downlink.load_state_dict(
                 {k.removeprefix("downlink/"): v for k, v in tensors.items() if k.startswith("downlink/")})
-        if self.moments.enabled and "moments" in meta:
-            self.moments.load_state_dict(tensors, meta["moments"])
+        if self.moments.enabled and meta.moments is not None:
+            self.moments.load_state_dict(tensors, meta.moments)
 
     # ------------------------------------------------------------------ internals
     @torch.no_grad()

@@ -434,9 +434,8 @@ class SyncerFragment:
         return tensors, meta
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        """Restore from ``state_dict()``'s output. ``meta`` may lack the guard's entries
-        (checkpoints written before the replay and norm guards) and ``norm_scale``
-        (before the growth cap: the window's median is what their guard used)."""
+        """Restore from ``state_dict()``'s output (``meta``: this fragment's entry of a
+        ``CheckpointMeta``, which fills in what older formats lack)."""
         p = self.index
         values = [tensors[theta_key(p, i)] for i in range(len(self.spec.tensors))]
         problem = check_tensors(self.spec, values)
@@ -460,17 +459,11 @@ class SyncerFragment:
         self.version = int(meta["version"])
         self.snapshot()
         self.round = Round()
-        self.norms = deque((float(x) for x in meta.get("norms", ())), maxlen=GUARD_WINDOW)
-        self.norm_steps = deque((int(x) for x in meta.get("norm_steps", ())), maxlen=GUARD_WINDOW)
-        # Older checkpoints: the norms' senders unknown (every learner's bound then comes
-        # from the whole window until they are replaced), no history (the cap starts anew).
-        learners = [str(x) for x in meta.get("norm_learners", ())]
-        self.norm_learners = deque(learners if len(learners) == len(self.norms) else [""] * len(self.norms),
-                                   maxlen=GUARD_WINDOW)
-        self.scale_history = deque((float(x) for x in meta.get("scale_history", ())), maxlen=GUARD_HISTORY)
+        self.norms = deque((float(x) for x in meta["norms"]), maxlen=GUARD_WINDOW)
+        self.norm_steps = deque((int(x) for x in meta["norm_steps"]), maxlen=GUARD_WINDOW)
+        self.norm_learners = deque((str(x) for x in meta["norm_learners"]), maxlen=GUARD_WINDOW)
+        self.scale_history = deque((float(x) for x in meta["scale_history"]), maxlen=GUARD_HISTORY)
         self._long_cap = self.long_cap()
-        if "norm_scale" in meta:
-            self.norm_scale = None if meta["norm_scale"] is None else float(meta["norm_scale"])
-        else:
-            self.norm_scale = None
-            self.rescale()
+        self.norm_scale = None if meta["norm_scale"] is None else float(meta["norm_scale"])
+        if self.norm_scale is None:
+            self.rescale()  # a window without a scale (format 1 before the growth cap): the window's

@@ -38,7 +38,7 @@ from rackmend.core.syncer_fragment import named_global_values
 from rackmend.demo.spec import ArmSpec, RunSettings, config_to_dict
 from rackmend.demo.worker import GO_FILE, metrics_path
 from rackmend.netem import LinkEmulator
-from rackmend.service.checkpoint import CHECKPOINT_NAME
+from rackmend.service.checkpoint import CHECKPOINT_NAME, open_checkpoint
 from rackmend.service.events import CheckpointWritten, read_event
 from rackmend.workloads import GPT, ByteCorpus, evaluate
 
@@ -425,8 +425,6 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
               records: list[SyncerRecord]) -> list[tuple[int, float, float]]:
     """Held-out loss of every kept snapshot (and of the start), at the tokens trained
     on when the syncer wrote it."""
-    from safetensors import safe_open
-
     corpus = ByteCorpus()
     batches = corpus.eval_batches(8, 16, s.model.block_size)
     torch.manual_seed(s.seed)
@@ -457,13 +455,12 @@ def _evaluate(arm: _Arm, s: RunSettings, t0: float, steps: dict[str, list[dict[s
     seen: set[tuple[int, ...]] = set()
     for k, snap in enumerate(arm.snapshots):
         final = k == len(arm.snapshots) - 1  # taken after the syncer stopped: the end of the run
-        with safe_open(str(snap), framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {})["rackmend"])
-            versions = tuple(meta["versions"])
+        with open_checkpoint(snap) as (meta, fh):
+            versions = tuple(meta.versions)
             if not final and (versions in seen or versions not in written):
                 continue
             seen.add(versions)
-            state = named_global_values(fh, layout_from_wire(meta["layout"]))
+            state = named_global_values(fh, layout_from_wire(meta.layout))
         model.load_state_dict(state, strict=True)
         # The final global model is what all the training produced: it stands at every
         # token trained (equal-step arms then compare at exactly equal tokens).

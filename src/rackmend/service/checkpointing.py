@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from rackmend.config import ConfigError
+from rackmend.core.checkpoint_meta import CheckpointMeta
 from rackmend.core.fragments import FragmentSpec, layout_from_wire, layout_to_wire
 from rackmend.core.settings import RunRules
 from rackmend.core.shards import Shard, parse_shard
@@ -41,10 +42,8 @@ class Saved:
     first: tuple[str, RunRules] | None
     """The learner whose H and P the run uses; None in checkpoints that predate it."""
     tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    """Both for ``SyncerCore.load_state_dict``."""
-    merges: int
-    rejected_messages: int
+    meta: CheckpointMeta
+    """Both for ``SyncerCore.load_state_dict``; ``meta`` also holds the service's counts."""
 
 
 class Checkpoints:
@@ -69,10 +68,10 @@ class Checkpoints:
         assert layout is not None
         # The model's whole layout and this shard's place in it: ``theta/{p}/...`` count the
         # shard's fragments from 0 (``Shard.fragments``); export and resume map them back.
-        meta = {**meta, "layout": layout_to_wire(layout), "shard": str(self.shard), "merges": merges,
-                "rejected_messages": rejected_messages}
+        meta.layout, meta.shard = layout_to_wire(layout), str(self.shard)
+        meta.merges, meta.rejected_messages = merges, rejected_messages
         if first is not None:
-            meta["first_learner"] = {"learner": first[0], "settings": first[1].to_wire()}
+            meta.first_learner = {"learner": first[0], "settings": first[1].to_wire()}
         path = save_checkpoint(self.directory, tensors, meta)
         self.at = self.clock()
         self.metrics.checkpointed(self.at)
@@ -89,22 +88,20 @@ class Checkpoints:
             raise ConfigError(f"resume: {exc}") from None
         if loaded is None:
             raise ConfigError(f"resume: no checkpoint in {self.directory}")
-        tensors, meta = loaded
-        saved = parse_shard(meta.get("shard", "0/1"))  # checkpoints written before shards: the whole model
+        meta, tensors = loaded.meta, loaded.tensors
+        saved = parse_shard(meta.shard)
         if saved != self.shard:
             raise ConfigError(f"resume: the checkpoint in {self.directory} is syncer shard {saved}'s, "
                               f"this syncer is --shard {self.shard}; give each shard its own --checkpoint-dir and "
                               "resume it with the --shard it was started with")
         try:
-            whole = layout_from_wire(meta["layout"])
+            whole = layout_from_wire(meta.layout)
             values = global_values(tensors, self.shard.fragments(whole))
-            first = meta.get("first_learner")
-            if first is not None:
-                first = (first["learner"], RunRules(**first["settings"]))
+            first = meta.first_learner
+            rules = None if first is None else (first["learner"], RunRules(**first["settings"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"resume: the checkpoint in {self.directory}: {type(exc).__name__}: {exc}") from None
-        return Saved(layout=whole, values=values, first=first, tensors=tensors, meta=meta,
-                     merges=int(meta.get("merges", 0)), rejected_messages=int(meta.get("rejected_messages", 0)))
+        return Saved(layout=whole, values=values, first=rules, tensors=tensors, meta=meta)
 
     def shard_name(self) -> str | None:
         """For records that list every fragment's version, which fragments: ``s/S`` for a

@@ -771,8 +771,8 @@ class ServiceCore:
             raise ConfigError(f"resume: the checkpoint in {self.checkpoints.directory} does not fit this syncer "
                               f"({type(exc).__name__}: {exc}); start without --resume or restore a copy") from None
         self.tracker.versions_to_metrics(self.core)
-        self.merges = saved.merges
-        self.rejected_messages = saved.rejected_messages
+        self.merges = saved.meta.merges
+        self.rejected_messages = saved.meta.rejected_messages
         self.event(Resumed, versions=tuple(self.core.versions), shard=self.checkpoints.shard_name())
 
     def event(self, kind: type[ServiceEvent], **fields: Any) -> None:

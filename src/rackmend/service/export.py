@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -41,7 +41,8 @@ from rackmend.core.fragments import (
 )
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.syncer_fragment import named_global_values
-from rackmend.service.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, check_meta, non_finite
+from rackmend.core.checkpoint_meta import CheckpointMeta
+from rackmend.service.checkpoint import CHECKPOINT_NAME, PREVIOUS_NAME, CheckpointError, non_finite, open_checkpoint
 
 __all__ = ["ExportError", "ExportResult", "export_model", "read_global_model", "add_arguments", "main"]
 
@@ -113,53 +114,42 @@ def read_global_model(checkpoint: str | os.PathLike[str] | Sequence[str | os.Pat
         missing = [f"{s}/{total}" for s in range(total) if s not in have]
         raise ExportError(f"the syncer ran as {total} shards, and the checkpoints of shards {', '.join(missing)} are "
                           "missing: pass every shard's --checkpoint-dir (each holds only its own fragments)")
-    layouts = {json.dumps(meta["layout"]) for _, meta, _, _ in parts}
+    layouts = {json.dumps(meta.layout) for _, meta, _, _ in parts}
     if len(layouts) > 1:
         raise ExportError("the shards' checkpoints hold different models' layouts: pass the shards of one run")
-    layout = layout_from_wire(parts[0][1]["layout"])
+    layout = layout_from_wire(parts[0][1].layout)
     theta: dict[str, torch.Tensor] = {}
     versions = [0] * len(layout)
     for values, meta, _, shard in sorted(parts, key=lambda x: x[3].index):
         theta.update(values)
-        for local, v in enumerate(meta.get("versions", [])):
-            versions[shard.to_global(local)] = int(v)
+        for local, v in enumerate(meta.versions):
+            versions[shard.to_global(local)] = v
     theta = {t.name: theta[t.name] for f in layout for t in f.tensors}  # the model's order
-    meta = {**parts[0][1], "versions": versions, "merges": sum(int(m.get("merges", 0)) for _, m, _, _ in parts),
-            "checkpoints": [str(p) for _, _, p, _ in parts]}
-    return theta, meta, parts[0][2]
+    summary = {"layout": parts[0][1].layout, "versions": versions, "merges": sum(m.merges for _, m, _, _ in parts),
+               "checkpoints": [str(p) for _, _, p, _ in parts]}
+    return theta, summary, parts[0][2]
 
 
-def _read_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path,
+def _read_checkpoint(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], CheckpointMeta, Path,
                                                                     Shard]:
     """One checkpoint's Θ by canonical name (its shard's fragments), metadata, file and shard."""
     path = _checkpoint_file(checkpoint)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("rackmend")
-            if raw is None:
-                raise ExportError(f"{path} is a safetensors file but not a rackmend syncer checkpoint "
-                                  "(its metadata has no 'rackmend' entry)")
+        with open_checkpoint(path) as (meta, f):
             try:
-                meta = json.loads(raw)
-                layout: list[FragmentSpec] = layout_from_wire(meta.get("layout"))
-                shard = parse_shard(meta.get("shard", "0/1"))  # older checkpoints: one syncer, the whole model
+                layout: list[FragmentSpec] = layout_from_wire(meta.layout)
+                shard = parse_shard(meta.shard)
+                out = named_global_values(f, shard.fragments(layout))
             except (ValueError, AttributeError) as exc:
                 raise ExportError(f"{path}: the checkpoint's metadata is corrupt ({exc}); use an earlier copy "
                                   "of the checkpoint") from None
-            try:
-                out = named_global_values(f, shard.fragments(layout))
-            except ValueError as exc:
-                raise ExportError(f"{path}: {exc}") from None
-            problem = check_meta(meta) or non_finite(out)
-            if problem:
-                previous = path.parent / PREVIOUS_NAME
-                raise ExportError(f"{path}: {problem}" + (f"; the previous checkpoint {previous} may be good: "
-                                                           "export that one" if previous.exists() else ""))
-    except SafetensorError as exc:
-        raise ExportError(f"{path} cannot be read as safetensors ({exc}): the file is corrupt or truncated; "
-                          "use an earlier copy of the checkpoint") from None
-    except OSError as exc:
-        raise ExportError(f"{path} cannot be read: {exc}") from None
+    except CheckpointError as exc:
+        raise ExportError(f"{exc}; use an earlier copy of the checkpoint") from None
+    problem = non_finite(out)
+    if problem:
+        previous = path.parent / PREVIOUS_NAME
+        raise ExportError(f"{path}: {problem}" + (f"; the previous checkpoint {previous} may be good: "
+                                                   "export that one" if previous.exists() else ""))
     return out, meta, path, shard
 
 
@@ -258,9 +248,9 @@ def export_model(
             except (SafetensorError, OSError) as exc:
                 raise ExportError(f"cannot read the base state file {base}: {exc}") from None
         tensors, aliases, filled = _state_from_model(theta, model, base_map, base_name)
-    versions = [int(v) for v in meta.get("versions", [])]
-    provenance = {"checkpoint": str(path), "checkpoints": meta["checkpoints"], "versions": versions, "merges": int(meta.get("merges", 0)),
-                  "aliases": aliases, "filled": filled}
+    versions = meta["versions"]
+    provenance = {"checkpoint": str(path), "checkpoints": meta["checkpoints"], "versions": versions,
+                  "merges": meta["merges"], "aliases": aliases, "filled": filled}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
