@@ -33,8 +33,8 @@ __all__ = ["APPLIED_RULES", "RunRules", "SyncerSettings", "Mismatch", "syncer_mi
 @dataclass(frozen=True, kw_only=True)
 class RunRules:
     """The rules of a run that learners and the syncer must agree on (``RackmendConfig``
-    values): what a learner reports at hello, the first learner's H, P, apply rule and
-    DES-LOC periods then hold for the run. ``validate`` is the one check of their
+    values): what a learner reports at hello, the first learner's H, P, tau, apply rule
+    and DES-LOC periods then hold for the run. ``validate`` is the one check of their
     consistency, for a config (``from_config``) and for a hello from the wire alike."""
 
     sync_every: int
@@ -204,8 +204,8 @@ def syncer_mismatch(learner_id: str, s: RunRules, config: RunConfig) -> Mismatch
 
 
 def peer_mismatch(learner_id: str, s: RunRules, first_id: str, first: RunRules) -> Mismatch | None:
-    """H, P or the apply rule of learner ``learner_id`` unlike those of ``first_id``, whose
-    values the run uses."""
+    """H, P, tau, DES-LOC's periods or the apply rule of learner ``learner_id`` unlike those
+    of ``first_id``, whose values the run uses."""
     if s.apply != first.apply:
         return Mismatch("apply", s.apply, first.apply, (
             f"apply differs: learner {learner_id} applies merged values by {s.apply!r}, but the run uses "

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from rackmend.core.checkpoint_meta import CheckpointMeta
 
-__all__ = ["CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "checkpoint_file", "open_checkpoint",
+__all__ = ["CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "open_checkpoint",
            "save_checkpoint", "load_checkpoint", "read_checkpoint", "non_finite", "remove_stale_temps"]
 
 log = logging.getLogger("rackmend.syncer")
@@ -110,7 +110,7 @@ def load_checkpoint(directory: str | Path) -> Checkpoint | None:
                                                  "without --resume (learners seed it anew), or restore a copy"))
 
 
-def checkpoint_file(path: str | os.PathLike[str]) -> Path:
+def _checkpoint_file(path: str | os.PathLike[str]) -> Path:
     """The checkpoint file of ``path``: the file itself, or the latest in a directory."""
     p = Path(path)
     return p / CHECKPOINT_NAME if p.is_dir() else p
@@ -122,7 +122,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[CheckpointMe
     directory's latest) and the open safetensors file, whose tensors are read only when
     asked for (``get_tensor``): what export, the demo and the service all read a
     checkpoint with. ``CheckpointError`` naming the file and what is wrong."""
-    file = checkpoint_file(path)
+    file = _checkpoint_file(path)
     try:
         with safe_open(str(file), framework="pt") as f:
             raw = (f.metadata() or {}).get("rackmend")

@@ -154,10 +154,10 @@ class ServiceCore:
         self.merges = 0
         self._pending: PendingInit | None = None
         self._first: tuple[str, RunRules] | None = None
+        """The learner whose rules the run uses (the seeder, or from the checkpoint)."""
         self._unruled: Saved | None = None
         """A checkpoint to resume from that does not record the run's rules (written before
         hellos carried them): restored under the first hello's."""
-        """The learner whose H and P the run uses (the seeder, or from the checkpoint)."""
         self.started_at = clock()
         self.status_requests = 0
         """Read-only ``status`` requests answered."""
