@@ -22,7 +22,6 @@ from rackmend.config import (
     ConfigError,
     LearnerConfig,
     RunConfig,
-    ScheduleConfig,
     SyncerConfig,
     field_docs,
     literal_choices,

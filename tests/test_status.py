@@ -160,8 +160,8 @@ def test_bad_status_requests_are_answered_and_the_asker_is_no_learner(tmp_path: 
         train(opt, model, "l0", range(H + 1, 2 * H + 1))  # still served after the bad requests
         with StatusClient(svc.endpoint) as client:
             # The link sends on its own thread: the step-6 send reaches the syncer a moment later.
-            wait_for(lambda: client.query(10)["learners"][0]["step"] == 2 * H, 20, "l0's step-6 send in the status")
-            assert client.query(10)["learners"][0]["state"] == "connected"
+            wait_for(lambda: client.query(10).learners[0].step == 2 * H, 20, "l0's step-6 send in the status")
+            assert client.query(10).learners[0].state == "connected"
         assert svc.core is not None and set(svc.core.members) == {"l0"} and len(svc.peers) == 1
     finally:
         raw.close()
@@ -218,3 +218,41 @@ def test_status_into_a_pipe_closed_early_ends_quietly(procs: Procs, tmp_path: Pa
     assert done.stdout.strip(), done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.returncode == 0, done.stderr
+
+
+def test_the_status_answer_is_typed_round_trips_and_names_a_bad_field() -> None:
+    """``SyncerStatus`` crosses the wire as ``to_json()`` and comes back equal; a field of
+    the wrong type is refused by name, and what an older syncer did not send takes its
+    default (issue 35: typed status)."""
+    from rackmend.core.status import (BasedOn, FragmentStatus, LearnerStatus, StatusError, SyncerPart,
+                                      SyncerStatus)
+    from rackmend.service.status import combine, render
+
+    def shard(s: int, merges: int, step: int) -> SyncerStatus:
+        return SyncerStatus(
+            syncer=SyncerPart(endpoint=f"tcp://127.0.0.1:{5000 + s}", shard=f"{s}/2", state="running", merges=merges,
+                              min_quorum=1, uptime_s=3.0),
+            fragments=(FragmentStatus(fragment=s, version=merges, waiting=("a", "b"), fresh=("a",)),),
+            learners=(LearnerStatus(id="a", state="connected", ranks=(0,), step=step, contributions=merges,
+                                    based_on=(BasedOn(fragment=s, base_version=merges - 1, lag=1),)),))
+
+    one = shard(0, 3, 12)
+    doc = json.loads(json.dumps(one.to_json()))
+    assert "shards" not in doc["syncer"] and "error" not in doc["syncer"]
+    assert SyncerStatus.from_json(doc) == one
+    bad = json.loads(json.dumps(doc))
+    bad["learners"][0]["step"] = "twelve"
+    with pytest.raises(StatusError, match=r"learners\[\]\.step must be int \| None"):
+        SyncerStatus.from_json(bad)
+    old = {"syncer": {"state": "running"}, "fragments": [{"fragment": 0, "version": 2}], "learners": [{"id": "a"}]}
+    parsed = SyncerStatus.from_json(old)
+    assert parsed.learners[0].ranks == () and parsed.syncer.merges == 0 and parsed.fragments[0].waiting == ()
+    both = combine([one, shard(1, 5, 20)], [SyncerPart(shard="2/3", endpoint="tcp://x:1", state="unreachable",
+                                                       error="no answer")])
+    assert both.syncer.merges == 8 and both.syncer.state == "degraded" and both.syncer.shard == "2 of 3 shards"
+    assert [x.shard for x in both.syncer.shards] == ["0/2", "1/2", "2/3"]
+    (a,) = both.learners
+    assert a.contributions == 8 and a.step == 20 and [b.fragment for b in a.based_on] == [0, 1]
+    assert SyncerStatus.from_json(json.loads(json.dumps(both.to_json()))) == both
+    text = render(both, "tcp://127.0.0.1:5000,tcp://127.0.0.1:5001")
+    assert "UNREACHABLE (no answer)" in text and "a,b*" in text

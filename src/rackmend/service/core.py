@@ -37,6 +37,7 @@ from rackmend.core.records import Joined, Left, Merged, Rejected, SyncerRecord
 from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard, parse_shard
 from rackmend.core.shards import owner as owner_shard
+from rackmend.core.status import SyncerPart, SyncerStatus
 from rackmend.core.syncer import (
     Action,
     ContributionArrived,
@@ -301,7 +302,7 @@ class ServiceCore:
         """Read-only: answered from the current state, the asker never becomes a peer
         (each request is not logged: a refreshing view asks every second)."""
         self.status_requests += 1
-        self._send(ident, wire.status_reply_frames(msg.nonce, self.status()), droppable=True)
+        self._send(ident, wire.status_reply_frames(msg.nonce, self.status().to_json()), droppable=True)
 
     def _message_limit(self) -> int | None:
         """The largest message a joined learner may send: the operator's, else the
@@ -725,30 +726,20 @@ class ServiceCore:
         return self.checkpoints.save(self.core, layout=self._layout, merges=self.merges,
                                      rejected_messages=self.rejected_messages, first=self._first)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         """What ``rackmend status`` shows: the syncer, every fragment's round and every
-        learner seen (or expected), as plain values (``Tracker.status``). Ages and
-        durations in seconds."""
+        learner seen (or expected) (``Tracker.status``). Ages and durations in seconds."""
         now = self.clock()
         core = self.core
-        syncer: dict[str, Any] = {
-            "endpoint": self.endpoint,
-            "shard": str(self.shard),
-            "state": "running" if core is not None else "initialising" if self._pending else "waiting for a learner",
-            "uptime_s": age_s(now, self.started_at),
-            "protocol": wire.PROTOCOL_VERSION,
-            "merges": self.merges,
-            "rejected_messages": self.rejected_messages,
-            "rejected_contributions": core.rejected if core is not None else 0,
-            "superseded_updates": self.superseded_updates,
-            "deterministic": self.config.deterministic,
-            "min_quorum": self.config.syncer.min_quorum,
-            "grace_s": round(core.grace(), 4) if core is not None else None,
-            "curve": bool(self.service.secret_key_file),
-            "checkpoint_age_s": age_s(now, self.checkpoints.at),
-            "metrics": self.metrics_url,
-            "status_requests": self.status_requests,
-        }
+        syncer = SyncerPart(
+            endpoint=self.endpoint, shard=str(self.shard),
+            state="running" if core is not None else "initialising" if self._pending else "waiting for a learner",
+            uptime_s=age_s(now, self.started_at), protocol=wire.PROTOCOL_VERSION, merges=self.merges,
+            rejected_messages=self.rejected_messages, rejected_contributions=core.rejected if core is not None else 0,
+            superseded_updates=self.superseded_updates, deterministic=self.config.deterministic,
+            min_quorum=self.config.syncer.min_quorum, grace_s=round(core.grace(), 4) if core is not None else None,
+            curve=bool(self.service.secret_key_file), checkpoint_age_s=age_s(now, self.checkpoints.at),
+            metrics=self.metrics_url, status_requests=self.status_requests)
         return self.tracker.status(now, syncer, core, self.peers.values(), self.config.syncer.learners)
 
     def _resume(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Iterable
 
 from rackmend.core.records import Merged
 from rackmend.core.shards import Shard
+from rackmend.core.status import BasedOn, FragmentStatus, LearnerStatus, SyncerPart, SyncerStatus
 from rackmend.core.syncer import SyncerCore
 from rackmend.service.membership import Peer
 from rackmend.service.metrics import SyncerMetrics
@@ -120,57 +121,45 @@ class Tracker:
             log.info("progress: no merge in the last %.1f s; connected: %s", now - pr.at, ", ".join(connected))
         self._progress = _Progress(at=now)
 
-    def status(self, now: float, syncer: dict[str, Any], core: SyncerCore | None, peers: Iterable[Peer],
-               roster: Iterable[str]) -> dict[str, Any]:
+    def status(self, now: float, syncer: SyncerPart, core: SyncerCore | None, peers: Iterable[Peer],
+               roster: Iterable[str]) -> SyncerStatus:
         """The status answer at ``now``: ``syncer`` (the service's own part), every
         fragment's round and every learner seen, connected (``peers``) or expected
-        (``roster``), as plain values. Ages and durations in seconds."""
+        (``roster``). Ages and durations in seconds."""
         peers, roster = list(peers), tuple(roster)
 
         def age(t: float | None) -> float | None:
             return age_s(now, t)
 
-        fragments: list[dict[str, Any]] = []
+        fragments: list[FragmentStatus] = []
         for p, spec in enumerate(core.fragments if core is not None else ()):
             assert core is not None
             frag, last = core.frags[p], self.last_merge.get(self.shard.to_global(p))
             rnd, clock = frag.round, frag.round.clock
-            fragments.append({
-                "fragment": self.shard.to_global(p),
-                "version": frag.version,
-                "tensors": len(spec.tensors),
-                "bytes": spec.nbytes,
-                "phase": clock.phase.value,
-                "waiting": sorted(rnd.pending),
-                "fresh": sorted(lid for lid, c in rnd.pending.items() if c.base_version == frag.version),
-                "round_age_s": age(clock.first_arrival),
-                "grace_left_s": None if clock.deadline is None else round(clock.deadline - now, 3),
-                "last_merge_age_s": age(last["t"]) if last else None,
-                "last_merged": last["merged"] if last else [],
-            })
-        learners: list[dict[str, Any]] = []
+            fragments.append(FragmentStatus(
+                fragment=self.shard.to_global(p), version=frag.version, tensors=len(spec.tensors), bytes=spec.nbytes,
+                phase=clock.phase.value, waiting=tuple(sorted(rnd.pending)),
+                fresh=tuple(sorted(lid for lid, c in rnd.pending.items() if c.base_version == frag.version)),
+                round_age_s=age(clock.first_arrival),
+                grace_left_s=None if clock.deadline is None else round(clock.deadline - now, 3),
+                last_merge_age_s=age(last["t"]) if last else None,
+                last_merged=tuple(last["merged"]) if last else ()))
+        learners: list[LearnerStatus] = []
         members = core.members if core is not None else {}
         for lid in sorted(set(self.stats) | set(members) | set(roster)):
             st = self.stats.get(lid)
-            ranks = sorted(peer.rank for peer in peers if peer.learner_id == lid)
             worlds = {peer.world for peer in peers if peer.learner_id == lid}
             member = members.get(lid)
-            learners.append({
-                "id": lid,
-                "state": st.state if st is not None else "never joined",
-                "ranks": ranks,
-                "world": max(worlds) if worlds else None,
-                "expected": bool(member.expected) if member is not None else lid in roster,
-                "last_seen_s": age(st.last_seen) if st else None,
-                "step": st.step if st else None,
-                "step_time_s": st.step_time if st else None,
-                "last_contribution_s": age(st.last_contribution) if st else None,
-                "contributions": st.contributions if st else 0,
-                "rejected": st.rejected if st else 0,
-                "version_lag": max((lag for _, lag in st.based.values()), default=None) if st else None,
-                "based_on": [{"fragment": p, "base_version": b, "lag": lag} for p, (b, lag) in sorted(st.based.items())]
-                if st else [],
-                "bytes_in": st.bytes_in if st else 0,
-                "bytes_out": st.bytes_out if st else 0,
-            })
-        return {"syncer": syncer, "fragments": fragments, "learners": learners}
+            common = dict(id=lid, ranks=tuple(sorted(peer.rank for peer in peers if peer.learner_id == lid)),
+                          world=max(worlds) if worlds else None,
+                          expected=bool(member.expected) if member is not None else lid in roster)
+            if st is None:
+                learners.append(LearnerStatus(state="never joined", **common))  # type: ignore[arg-type]
+                continue
+            learners.append(LearnerStatus(
+                state=st.state, last_seen_s=age(st.last_seen), step=st.step, step_time_s=st.step_time,
+                last_contribution_s=age(st.last_contribution), contributions=st.contributions, rejected=st.rejected,
+                version_lag=max((lag for _, lag in st.based.values()), default=None),
+                based_on=tuple(BasedOn(fragment=p, base_version=b, lag=lag) for p, (b, lag) in sorted(st.based.items())),
+                bytes_in=st.bytes_in, bytes_out=st.bytes_out, **common))  # type: ignore[arg-type]
+        return SyncerStatus(syncer=syncer, fragments=tuple(fragments), learners=tuple(learners))

@@ -27,8 +27,10 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any, Sequence, TextIO
 
+from rackmend.core.status import LearnerStatus, SyncerPart, SyncerStatus
 from rackmend.transport.base import TransportError
 from rackmend.transport.status import StatusClient, StatusTimeout
 from rackmend.transport.zmq_link import CurveClientKeys
@@ -101,86 +103,85 @@ _SUMMED = ("merges", "rejected_messages", "rejected_contributions", "superseded_
 _LEARNER_SUMS = ("contributions", "rejected", "bytes_in", "bytes_out")
 
 
-def combine(statuses: Sequence[dict[str, Any]], down: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+def combine(statuses: Sequence[SyncerStatus], down: Sequence[SyncerPart] = ()) -> SyncerStatus:
     """One status of a syncer split into shards, from each live shard's: counters added
     up, every live shard's fragments (each shard names its own in the model's
     numbering), each learner's entries merged (counts added, the freshest ``last_seen``,
-    the largest lag), and ``syncer.shards``: each shard's own syncer entry, in shard
-    order, where ``down`` (``{"shard", "endpoint", "state": "unreachable", "error"}``)
-    stands in for a shard that did not answer; the combined state is then ``degraded``
-    and ``syncer.shard`` says how many shards answered."""
+    the largest lag), and ``syncer.shards``: each shard's own syncer part, in shard
+    order, where ``down`` (state ``unreachable``, with its ``error``) stands in for a
+    shard that did not answer; the combined state is then ``degraded`` and
+    ``syncer.shard`` says how many shards answered."""
     if len(statuses) == 1 and not down:
         return statuses[0]
-    syncers = [st["syncer"] for st in statuses]
-    count = len(syncers) + len(down)
-    states = {x.get("state") for x in syncers}
-    syncer = {**syncers[0], **{k: sum(x.get(k) or 0 for x in syncers) for k in _SUMMED},
-              "shard": f"{len(syncers)} of {count} shards",
-              "endpoint": ",".join(str(x.get("endpoint")) for x in syncers),
-              "state": "degraded" if down else syncers[0].get("state") if len(states) == 1 else "mixed",
-              "checkpoint_age_s": max((x["checkpoint_age_s"] for x in syncers if x.get("checkpoint_age_s") is not None),
-                                      default=None),
-              "shards": sorted([*syncers, *down], key=lambda x: int(str(x.get("shard", "0/1")).split("/")[0]))}
-    fragments = sorted((f for st in statuses for f in st.get("fragments", [])), key=lambda f: f["fragment"])
-    learners: dict[str, dict[str, Any]] = {}
+    syncers = [st.syncer for st in statuses]
+    states = {x.state for x in syncers}
+    ages = [x.checkpoint_age_s for x in syncers if x.checkpoint_age_s is not None]
+    syncer = replace(
+        syncers[0], **{k: sum(getattr(x, k) for x in syncers) for k in _SUMMED},
+        shard=f"{len(syncers)} of {len(syncers) + len(down)} shards", endpoint=",".join(x.endpoint for x in syncers),
+        state="degraded" if down else syncers[0].state if len(states) == 1 else "mixed",
+        checkpoint_age_s=max(ages, default=None),
+        shards=tuple(sorted([*syncers, *down], key=lambda x: int(str(x.shard or "0/1").split("/")[0]))))
+    fragments = tuple(sorted((f for st in statuses for f in st.fragments), key=lambda f: f.fragment))
+    learners: dict[str, LearnerStatus] = {}
     for st in statuses:
-        for ln in st.get("learners", []):
-            have = learners.get(ln["id"])
-            if have is None:
-                learners[ln["id"]] = dict(ln)
-                continue
-            for k in _LEARNER_SUMS:
-                have[k] = (have.get(k) or 0) + (ln.get(k) or 0)
-            have["ranks"] = sorted(set(have.get("ranks", [])) | set(ln.get("ranks", [])))
-            for k in ("last_seen_s", "last_contribution_s"):
-                have[k] = min((v for v in (have.get(k), ln.get(k)) if v is not None), default=None)
-            for k in ("version_lag", "step", "world"):
-                have[k] = max((v for v in (have.get(k), ln.get(k)) if v is not None), default=None)
-            have["based_on"] = sorted(have.get("based_on", []) + ln.get("based_on", []), key=lambda b: b["fragment"])
-            if ln.get("state") == "connected":
-                have["state"] = "connected"
-    return {"syncer": syncer, "fragments": fragments, "learners": [learners[k] for k in sorted(learners)]}
+        for ln in st.learners:
+            have = learners.get(ln.id)
+            learners[ln.id] = ln if have is None else _merged(have, ln)
+    return SyncerStatus(syncer=syncer, fragments=fragments, learners=tuple(learners[k] for k in sorted(learners)))
 
 
-def render(status: dict[str, Any], endpoint: str) -> str:
+def _merged(a: LearnerStatus, b: LearnerStatus) -> LearnerStatus:
+    """One learner's entries of two shards as one."""
+    def least(x: float | None, y: float | None) -> float | None:
+        return min((v for v in (x, y) if v is not None), default=None)
+
+    def most(x: int | None, y: int | None) -> int | None:
+        return max((v for v in (x, y) if v is not None), default=None)
+
+    return replace(
+        a, **{k: getattr(a, k) + getattr(b, k) for k in _LEARNER_SUMS},
+        ranks=tuple(sorted(set(a.ranks) | set(b.ranks))),
+        last_seen_s=least(a.last_seen_s, b.last_seen_s),
+        last_contribution_s=least(a.last_contribution_s, b.last_contribution_s),
+        version_lag=most(a.version_lag, b.version_lag), step=most(a.step, b.step), world=most(a.world, b.world),
+        based_on=tuple(sorted(a.based_on + b.based_on, key=lambda x: x.fragment)),
+        state="connected" if "connected" in (a.state, b.state) else a.state)
+
+
+def render(status: SyncerStatus, endpoint: str) -> str:
     """The status as the two tables of the interactive view (plain text)."""
-    s = status.get("syncer", {})
+    s = status.syncer
+    rejected = f"rejected: {s.rejected_contributions} contributions, {s.rejected_messages} messages  "
     out = [
-        f"rackmend syncer {endpoint}  {s.get('state', '?')}  up {_fmt_s(s.get('uptime_s'))}  "
-        f"merges {s.get('merges', 0)}  grace {_fmt_s(s.get('grace_s'))}  quorum {s.get('min_quorum', '?')}"
-        f"{'  deterministic' if s.get('deterministic') else ''}{'  curve' if s.get('curve') else ''}",
-        *(f"  shard {x.get('shard')} at {x.get('endpoint')}: {x.get('state')}, merges {x.get('merges', 0)}"
-          if x.get("state") != "unreachable" else
-          f"  shard {x.get('shard')} at {x.get('endpoint')}: UNREACHABLE ({x.get('error')}); its fragments are "
-          "not shown" for x in s.get("shards", [])),
-        f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
-        f"checkpoint {_fmt_s(s.get('checkpoint_age_s'))} ago" if s.get("checkpoint_age_s") is not None else
-        f"rejected: {s.get('rejected_contributions', 0)} contributions, {s.get('rejected_messages', 0)} messages  "
-        "no checkpoint yet",
+        f"rackmend syncer {endpoint}  {s.state}  up {_fmt_s(s.uptime_s)}  "
+        f"merges {s.merges}  grace {_fmt_s(s.grace_s)}  quorum {'?' if s.min_quorum is None else s.min_quorum}"
+        f"{'  deterministic' if s.deterministic else ''}{'  curve' if s.curve else ''}",
+        *(f"  shard {x.shard} at {x.endpoint}: {x.state}, merges {x.merges}" if x.state != "unreachable" else
+          f"  shard {x.shard} at {x.endpoint}: UNREACHABLE ({x.error}); its fragments are not shown"
+          for x in s.shards),
+        rejected + (f"checkpoint {_fmt_s(s.checkpoint_age_s)} ago" if s.checkpoint_age_s is not None
+                    else "no checkpoint yet"),
         "",
     ]
     rows = []
-    for ln in status.get("learners", []):
-        ranks = ",".join(str(r) for r in ln.get("ranks", [])) or "-"
-        if ln.get("world"):
-            ranks += f"/{ln['world']}"
-        lag = ln.get("version_lag")
-        rows.append([str(ln.get("id")), ranks, str(ln.get("state")), _fmt_s(ln.get("last_seen_s")),
-                     "-" if ln.get("step") is None else str(ln["step"]), _fmt_s(ln.get("step_time_s")),
-                     "-" if lag is None else str(lag), _fmt_bytes(ln.get("bytes_in")), _fmt_bytes(ln.get("bytes_out")),
-                     str(ln.get("rejected", 0))])
+    for ln in status.learners:
+        ranks = ",".join(str(r) for r in ln.ranks) or "-"
+        if ln.world:
+            ranks += f"/{ln.world}"
+        rows.append([ln.id, ranks, ln.state, _fmt_s(ln.last_seen_s), "-" if ln.step is None else str(ln.step),
+                     _fmt_s(ln.step_time_s), "-" if ln.version_lag is None else str(ln.version_lag),
+                     _fmt_bytes(ln.bytes_in), _fmt_bytes(ln.bytes_out), str(ln.rejected)])
     out += _table(["LEARNER", "RANKS", "STATE", "SEEN", "STEP", "STEP TIME", "LAG", "IN", "OUT", "REJECTED"], rows)
     out.append("")
     rows = []
-    for f in status.get("fragments", []):
-        waiting = f.get("waiting", [])
-        fresh = set(f.get("fresh", []))
-        inside = ",".join(f"{lid}{'' if lid in fresh else '*'}" for lid in waiting) or "-"
-        rows.append([str(f.get("fragment")), str(f.get("version")), _fmt_bytes(f.get("bytes")),
-                     str(f.get("phase", "-")), inside, _fmt_s(f.get("round_age_s")), _fmt_s(f.get("grace_left_s")),
-                     ",".join(f.get("last_merged", [])) or "-", _fmt_s(f.get("last_merge_age_s"))])
-    out += _table(["FRAGMENT", "VERSION", "SIZE", "PHASE", "IN ROUND", "ROUND AGE", "GRACE LEFT", "LAST MERGED", "AGO"], rows)
-    if any(set(f.get("waiting", [])) - set(f.get("fresh", [])) for f in status.get("fragments", [])):
+    for f in status.fragments:
+        inside = ",".join(f"{lid}{'' if lid in f.fresh else '*'}" for lid in f.waiting) or "-"
+        rows.append([str(f.fragment), str(f.version), _fmt_bytes(f.bytes), f.phase, inside, _fmt_s(f.round_age_s),
+                     _fmt_s(f.grace_left_s), ",".join(f.last_merged) or "-", _fmt_s(f.last_merge_age_s)])
+    out += _table(["FRAGMENT", "VERSION", "SIZE", "PHASE", "IN ROUND", "ROUND AGE", "GRACE LEFT", "LAST MERGED", "AGO"],
+                  rows)
+    if any(set(f.waiting) - set(f.fresh) for f in status.fragments):
         out.append("* stale: based on an older version, rides along with the next merge")
     return "\n".join(out)
 
@@ -214,7 +215,7 @@ def _main(args: argparse.Namespace, stdout: TextIO) -> int:
             except TransportError as exc:
                 print(f"rackmend status: {exc}", file=sys.stderr)
                 return 1
-            print(json.dumps(status, indent=2) if args.json else render(status, args.endpoint), file=stdout)
+            print(json.dumps(status.to_json(), indent=2) if args.json else render(status, args.endpoint), file=stdout)
             return 0
         done = 0
         try:
@@ -231,7 +232,7 @@ def _main(args: argparse.Namespace, stdout: TextIO) -> int:
                     return 1
                 if args.json:
                     if status is not None:
-                        print(json.dumps(status), file=stdout, flush=True)
+                        print(json.dumps(status.to_json()), file=stdout, flush=True)
                 else:
                     if status is not None:
                         frame = render(status, args.endpoint)
@@ -253,11 +254,11 @@ class _Shards:
     def __init__(self, clients: list[StatusClient]) -> None:
         self.clients = clients
 
-    def query(self, timeout: float) -> dict[str, Any]:
+    def query(self, timeout: float) -> SyncerStatus:
         if len(self.clients) == 1:
             return self.clients[0].query(timeout)
         count = len(self.clients)
-        got: list[dict[str, Any] | None] = [None] * count
+        got: list[SyncerStatus | None] = [None] * count
         failed: dict[int, TransportError] = {}
 
         def ask(s: int) -> None:
@@ -280,6 +281,6 @@ class _Shards:
             s = min(failed)
             exc = failed[s]
             raise type(exc)(f"shard {s}/{count} at {self.clients[s].endpoint}: {exc}") from exc
-        down = [{"shard": f"{s}/{count}", "endpoint": self.clients[s].endpoint, "state": "unreachable",
-                 "error": str(exc)} for s, exc in sorted(failed.items())]
+        down = [SyncerPart(shard=f"{s}/{count}", endpoint=self.clients[s].endpoint, state="unreachable",
+                           error=str(exc)) for s, exc in sorted(failed.items())]
         return combine(live, down)

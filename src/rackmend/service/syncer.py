@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
+from rackmend.core.status import SyncerStatus
 from rackmend.config import ConfigError, RunConfig
 from rackmend.core.syncer import SyncerCore
 from rackmend.service.checkpoint import remove_stale_temps
@@ -109,7 +110,7 @@ class SyncerService:
     def epoch(self) -> int:
         return self.node.epoch
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         """What ``rackmend status`` shows (``ServiceCore.status``)."""
         return self.node.status()
 

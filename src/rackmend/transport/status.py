@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 import zmq
 
+from rackmend.core.status import SyncerStatus
 from rackmend.transport import wire
 from rackmend.transport.base import TransportError
 from rackmend.transport.zmq_link import CurveClientKeys
@@ -33,7 +33,7 @@ class StatusRefused(TransportError):
 
 
 class StatusClient:
-    """``StatusClient(endpoint, curve=...).query(timeout)`` -> the syncer's status map."""
+    """``StatusClient(endpoint, curve=...).query(timeout)`` -> the syncer's status."""
 
     def __init__(self, endpoint: str, *, curve: CurveClientKeys | None = None) -> None:
         self.endpoint = endpoint
@@ -48,7 +48,7 @@ class StatusClient:
         self._sock.connect(endpoint)
         self._nonces = itertools.count(1)
 
-    def query(self, timeout: float) -> dict[str, Any]:
+    def query(self, timeout: float) -> SyncerStatus:
         """The syncer's current status; ``StatusTimeout`` after ``timeout`` seconds without
         an answer, ``StatusRefused`` when it answers with an error."""
         nonce = next(self._nonces)

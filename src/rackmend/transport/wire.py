@@ -31,6 +31,7 @@ from rackmend.core.messages import MOMENT_KINDS, Contribution, MomentContributio
 from rackmend.core.pieces import Piece, RankPieces, cut, piece_spec, pieces_from_wire, pieces_problem, pieces_to_wire
 from rackmend.core.settings import RunRules, SyncerSettings
 from rackmend.core.shards import Shard
+from rackmend.core.status import StatusError, SyncerStatus
 
 __all__ = [
     "fragment_field",
@@ -382,7 +383,7 @@ def status_request_frames(nonce: int) -> list[Any]:
 
 
 def status_reply_frames(nonce: int, status: dict[str, Any]) -> list[Any]:
-    """The syncer's answer: ``status`` is a map of plain values (see ``parse_status_reply``)."""
+    """The syncer's answer: ``status`` is ``SyncerStatus.to_json()`` (``parse_status_reply``)."""
     return encode({"type": "status_reply", "nonce": nonce, "status": status})
 
 
@@ -570,10 +571,10 @@ _FROM_SYNCER: dict[str, type[FromSyncer]] = {
 
 @dataclass(frozen=True)
 class StatusReplyIn:
-    """``status_reply``: a syncer's status, its shape checked (``parse_status_reply``)."""
+    """``status_reply``: a syncer's status, checked (``parse_status_reply``)."""
 
     nonce: int
-    status: dict[str, Any]
+    status: SyncerStatus
 
 
 def parse_status_answer(frames: Sequence[Any], max_message_bytes: int) -> StatusReplyIn | ErrorIn:
@@ -905,19 +906,11 @@ def parse_status_request(msg: Message) -> int:
     return _field(msg.header, "nonce", int, minimum=0, maximum=MAX_NONCE)
 
 
-def parse_status_reply(msg: Message) -> tuple[int, dict[str, Any]]:
-    """(nonce, status) of a ``status_reply``, with the shape a reader relies on checked:
-    ``syncer`` a map, ``fragments`` a list of maps with an int ``fragment`` and ``version``,
-    ``learners`` a list of maps with a str ``id``."""
+def parse_status_reply(msg: Message) -> tuple[int, SyncerStatus]:
+    """(nonce, status) of a ``status_reply``, every field of the status checked
+    (``SyncerStatus.from_json``)."""
     nonce = _field(msg.header, "nonce", int, minimum=0)
-    status = _field(msg.header, "status", dict)
-    _field(status, "syncer", dict)
-    for key, id_field, kind in (("fragments", "fragment", int), ("learners", "id", str)):
-        entries = _field(status, key, list)
-        for entry in entries:
-            if not isinstance(entry, dict):
-                raise WireError(f"status: each entry of {key!r} must be a map")
-            _field(entry, id_field, kind)
-            if key == "fragments":
-                _field(entry, "version", int, minimum=0)
-    return nonce, status
+    try:
+        return nonce, SyncerStatus.from_json(_field(msg.header, "status", dict))
+    except StatusError as exc:
+        raise WireError(str(exc)[:300]) from None
