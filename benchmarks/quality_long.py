@@ -203,8 +203,9 @@ def plot(path: Path, title: str, curves: dict[str, list[tuple[float, float]]], x
     print(f"wrote {path}")
 
 
-def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], seeds: list[int], rounds: int,
-                 schedule: str, corpus: ByteCorpus, evals: int) -> dict[str, Any]:
+def section_arms(outdir: Path, stem: str, runs: Runs, sizes: list[str], names: list[str], seeds: list[int],
+                 rounds: int, schedule: str, corpus: ByteCorpus, evals: int) -> dict[str, Any]:
+    """The arms' table and plots (``{stem}-{size}.png``, ``{stem}-{size}-gap.png``)."""
     steps = rounds * H_DEFAULT
     table = arms(H_DEFAULT)
     plan = [(size, name, seed) for size in sizes for name in names for seed in seeds]
@@ -240,10 +241,10 @@ def section_arms(outdir: Path, runs: Runs, sizes: list[str], names: list[str], s
         summary[size] = rows
         curves = {name: [(p[0] / TOKENS_PER_ROUND, statistics.median(r["points"][i][2] for r in rs))
                          for i, p in enumerate(rs[0]["points"])] for name, rs in by_arm.items()}
-        plot(outdir / f"quality-long-{size}.png", f"{size} GPT, M={M}, H={H_DEFAULT}: held-out loss (median of "
+        plot(outdir / f"{stem}-{size}.png", f"{size} GPT, M={M}, H={H_DEFAULT}: held-out loss (median of "
              f"{len(seeds)} seeds)", curves, "outer rounds (equal tokens across arms)", "held-out loss")
         if dp:
-            plot(outdir / f"quality-long-{size}-gap.png", f"{size} GPT: loss / data-parallel's - 1 at equal tokens",
+            plot(outdir / f"{stem}-{size}-gap.png", f"{size} GPT: loss / data-parallel's - 1 at equal tokens",
                  {n: r["gap_curve"] for n, r in rows.items() if n != "data-parallel"}, "outer rounds", "gap")
     return summary
 
@@ -314,7 +315,9 @@ def main() -> None:
     result: dict[str, Any] = {}
     if args.section in ("all", "arms"):
         result["rounds"] = rounds
-        out["arms"] = section_arms(outdir, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus, args.evals)
+        stem = args.out.stem if args.out else "quality-long"
+        out["arms"] = section_arms(outdir, stem, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus,
+                                   args.evals)
         for size, rows in out["arms"].items():
             if rows.get("rackmend", {}).get("gap_dp") is not None:
                 result[f"gap_dp_{size}"] = rows["rackmend"]["gap_dp"]
