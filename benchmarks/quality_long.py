@@ -7,11 +7,13 @@ Runbook:
   (hours on 2 cores; the progress bar gives the time left); ``--quick`` is a smoke run
   of a few minutes (12 rounds, one seed, the small size).
 - ``--section ablation`` switches each suspected cause of the gap off alone, on the
-  small model (``--ablation-rounds``, default 75).
+  small model (``--ablation-rounds``, default 75); ``--variants 'rackmend;rackmend, H=4'``
+  runs some of them.
 - Every finished run is kept in ``benchmarks/results/quality-long-runs.jsonl``, keyed
   by everything that decides its number: an interrupted run goes on where it stopped,
   and the matrix can be filled over several sessions (``--sizes``, ``--seeds``,
-  ``--arms`` pick a part). ``--fresh`` ignores what is kept.
+  ``--arms`` pick a part). ``--fresh`` ignores what is kept; with ``--out X.json`` runs
+  are kept in ``X-runs.jsonl`` unless ``--runs`` names the file.
 
 Writes ``benchmarks/results/quality-long.json`` (its RESULT: ``gap_dp_small``,
 ``gap_dp_large``: rackmend's defaults against data-parallel at equal tokens, as a
@@ -254,10 +256,16 @@ def _params(size: str) -> list[torch.Tensor]:
     return list(GPT(SIZES[size]).parameters())
 
 
-def section_ablation(outdir: Path, runs: Runs, seeds: list[int], rounds: int, corpus: ByteCorpus,
-                     evals: int) -> dict[str, Any]:
+def section_ablation(outdir: Path, stem: str, runs: Runs, seeds: list[int], rounds: int, corpus: ByteCorpus,
+                     evals: int, only: list[str]) -> dict[str, Any]:
+    """The ablation's table and plot (``{stem}.png``); ``only``: these variants (and the
+    data-parallel rows they are compared with), or all."""
     steps = rounds * H_DEFAULT
     variants = ablations()
+    if only:
+        keep = set(only) | {"data-parallel"} | ({"data-parallel, constant lr"} if any(
+            variants[n][0] == "constant" for n in only) else set())
+        variants = {n: v for n, v in variants.items() if n in keep}
     # Equal tokens: fewer learners or larger batches take fewer steps each.
     plan = {name: (sched, cfg, learners, batch, steps * M * BATCH // (learners * batch))
             for name, (sched, cfg, learners, batch) in variants.items()}
@@ -280,7 +288,7 @@ def section_ablation(outdir: Path, runs: Runs, seeds: list[int], rounds: int, co
         quarter = [curve[round(len(curve) * q) - 1][1] for q in (0.25, 0.5, 0.75, 1.0)]
         out[name] = {"schedule": sched, "losses": [r["loss"] for r in rs], "loss": loss, "gap_curve": curve}
         print(f"{name:<46} {loss:>7.3f} {curve[-1][1]:>+8.1%}   " + ", ".join(f"{g:+.1%}" for g in quarter))
-    plot(outdir / "quality-long-ablation.png", "ablation (small GPT): loss / data-parallel's - 1 at equal tokens",
+    plot(outdir / f"{stem}.png", "ablation (small GPT): loss / data-parallel's - 1 at equal tokens",
          {n: r["gap_curve"] for n, r in out.items() if not n.startswith("data-parallel")}, "outer rounds", "gap")
     return out
 
@@ -293,6 +301,10 @@ def main() -> None:
     p.add_argument("--sizes", default=None, help="comma-separated, from small,large (default both; quick small)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
     p.add_argument("--arms", default="", help="comma-separated arms (default: all)")
+    p.add_argument("--variants", default="", help="ablation variants to run, separated by ';' (their names hold "
+                   "commas), e.g. 'rackmend;rackmend, H=4' (default: all)")
+    p.add_argument("--runs", type=Path, default=None,
+                   help=f"the file of kept runs (default: {RUNS.name}, or OUT-runs.jsonl beside --out)")
     p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                    help="the inner schedule of the arms section (default cosine)")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (default 10)")
@@ -306,9 +318,12 @@ def main() -> None:
     unknown = [s for s in sizes if s not in SIZES] + [a for a in names if a not in arms(H_DEFAULT)]
     if unknown:
         p.error(f"unknown sizes or arms {unknown}: sizes are {', '.join(SIZES)}, arms {', '.join(arms(H_DEFAULT))}")
+    only = [v.strip() for v in args.variants.split(";") if v.strip()]
+    if [v for v in only if v not in ablations()]:
+        p.error(f"unknown variants {[v for v in only if v not in ablations()]}: they are {'; '.join(ablations())}")
     outdir = args.out.parent if args.out else RESULTS
     outdir.mkdir(parents=True, exist_ok=True)
-    runs = Runs(args.out.with_name(args.out.stem + "-runs.jsonl") if args.out else RUNS, args.fresh)
+    runs = Runs(args.runs or (args.out.with_name(args.out.stem + "-runs.jsonl") if args.out else RUNS), args.fresh)
     corpus = ByteCorpus()
     out: dict[str, Any] = {"inputs": {"rounds": rounds, "H": H_DEFAULT, "M": M, "seeds": seeds, "sizes": sizes,
                                       "models": {s: asdict(SIZES[s]) for s in sizes}, "schedule": args.lr_schedule}}
@@ -323,7 +338,8 @@ def main() -> None:
                 result[f"gap_dp_{size}"] = rows["rackmend"]["gap_dp"]
     if args.section in ("all", "ablation"):
         ab_rounds = args.ablation_rounds or (12 if args.quick else 75)
-        out["ablation"] = section_ablation(outdir, runs, seeds, ab_rounds, corpus, args.evals)
+        out["ablation"] = section_ablation(outdir, args.out.stem if args.out else "quality-long-ablation", runs, seeds,
+                                           ab_rounds, corpus, args.evals, only)
         result["ablation_rounds"] = ab_rounds
     finish("quality-long" if args.section != "ablation" else "quality-long-ablation", args.out, out, result)
 
