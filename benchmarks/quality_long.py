@@ -100,6 +100,12 @@ def ablations() -> dict[str, tuple[str, RackmendConfig, int, int]]:
         "rackmend, apply keep_local": ("cosine", replace(rackmend, learner=LearnerConfig(apply="keep_local")), M),
         "rackmend, outer lr 1.5": ("cosine", config(M, H_DEFAULT, 4, 2, **outer(1.5, 0.0)), M),
         "rackmend-async": ("cosine", *base["rackmend-async"]),
+        # What async changes besides timing: the apply rule auto picks keep_local, and a
+        # round that closes without a learner counts it as a zero.
+        "rackmend-async, apply overwrite": ("cosine", replace(base["rackmend-async"][0],
+                                                              learner=LearnerConfig(apply="overwrite")), M),
+        "rackmend-async, absent not counted": ("cosine", replace(base["rackmend-async"][0], syncer=replace(
+            base["rackmend-async"][0].syncer, count_absent=False)), M),
         "rackmend, batch 32 per learner, H=4": ("cosine", config(M, 4, 4, 2), M, 32),
         "rackmend, int4 both ways": ("cosine", *base["rackmend-int4"]),
         "rackmend, int8 both ways": ("cosine", replace(rackmend, compression=CompressionConfig(
