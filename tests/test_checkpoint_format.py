@@ -93,3 +93,31 @@ def test_a_meta_that_cannot_be_used_is_refused_naming_the_field(change, message:
     with pytest.raises(CheckpointError, match=rf"{path}: .*{message[:20]}"):
         with open_checkpoint(path):
             pass
+
+
+def test_a_rule_less_checkpoint_that_fails_to_restore_is_kept_and_the_learner_told(tmp_path: Path) -> None:
+    """A checkpoint without the run's rules is restored at the first hello; when that
+    fails (here: its outer optimizer state has no parameter group), the learner gets a
+    fatal error naming it, and the syncer neither seeds a fresh model over the
+    checkpoint nor forgets it."""
+    from safetensors.torch import load_file, save_file
+
+    from rackmend.transport import wire
+
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    with safe_open(str(FIXTURE / CHECKPOINT_NAME), framework="pt") as f:
+        raw = json.loads(f.metadata()["rackmend"])
+    raw.pop("first_learner")
+    raw["optim"][0]["param_groups"] = []
+    save_file(load_file(str(FIXTURE / CHECKPOINT_NAME)), str(directory / CHECKPOINT_NAME),
+              metadata={"rackmend": json.dumps(raw)})
+    rig = Rig(LEARNERS_CONFIG, syncer=RunConfig(compression=DOWN, syncer=LEARNERS_CONFIG.syncer),
+              checkpoint_dir=str(directory), resume=True)
+    for lid in ("l0", "l1"):
+        replies = rig.learner(lid).hello()
+        errors = [m for m in replies if isinstance(m, wire.ErrorIn)]
+        assert errors and errors[0].code == "fatal" and "parameter group" in errors[0].reason, replies
+        assert not any(isinstance(m, wire.InitRequestIn) for m in replies), "seeded anew over the checkpoint"
+        assert rig.node.core is None
+    assert not rig.of(Resumed)

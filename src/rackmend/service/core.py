@@ -412,9 +412,14 @@ class ServiceCore:
                 self._hello(other, gated, admitted=True)
             return
         if self.core is None and self._unruled is not None:
-            saved, self._unruled = self._unruled, None
-            self._first = (lid, hello.settings)
-            self._restore(saved, hello.settings)
+            try:
+                self._restore(self._unruled, hello.settings)
+            except ValueError as exc:  # ConfigError: the checkpoint does not fit these rules
+                # Kept for a learner whose rules fit: never seeded anew over it in silence.
+                self.core, self._runner = None, None
+                self._send(ident, wire.encode({"type": "error", "code": "fatal", "reason": str(exc)}))
+                raise wire.WireError(f"cannot resume the checkpoint under learner {lid}'s rules: {exc}") from None
+            self._unruled, self._first = None, (lid, hello.settings)
         if self.core is None:
             pend = self._pending
             if pend is None:
