@@ -27,8 +27,8 @@ demo: $(STAMP)
 # output held until both end. Spread freely over two pytest-xdist workers, timing-bound
 # process tests failed in 3 runs of 4. `pytest tests` runs all in one go.
 test: $(STAMP)
-	@$(PY) -m pytest -q -m "not serial" tests > .pytest-beside.log 2>&1 & beside=$$!; \
-	$(PY) -m pytest -q -m serial tests; serial=$$?; \
+	@$(PY) -m pytest -q --durations=15 -m "not serial" tests > .pytest-beside.log 2>&1 & beside=$$!; \
+	$(PY) -m pytest -q --durations=15 -m serial tests; serial=$$?; \
 	wait $$beside; status=$$?; \
 	echo "---- the other tests (run beside the serial ones) ----"; cat .pytest-beside.log; \
 	echo "make test: serial tests exit $$serial, the others exit $$status"; \

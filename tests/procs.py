@@ -9,9 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Union
 
 from rackmend.core.records import SyncerRecord
 from rackmend.service.events import read_event
@@ -37,12 +38,112 @@ multiplied by this: ``RACKMEND_TEST_TIME_SCALE=3 make test`` on a host where oth
 take the cores. Only the bounds move: a test that passes waits as long as it needs."""
 
 HERE = Path(__file__).parent
+FRESH_ENV = "RACKMEND_TEST_FRESH_PYTHON"
+"""``RACKMEND_TEST_FRESH_PYTHON=1``: every process a test starts is a fresh ``python``
+instead of a fork of the launcher that has imported torch already (``_zygote.py``)."""
+_STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC", "TORCH_", "CUDA_", "KMP_")
+"""Environment read while an interpreter and its libraries start: a command that sets
+one of these differently from the launcher's gets a fresh ``python``."""
+
+
+class Forked:
+    """A process forked by the launcher, with the parts of ``subprocess.Popen`` the
+    tests use (its exit status comes from the launcher, which reaps it)."""
+
+    def __init__(self, launcher: "_Launcher", pid: int, args: list[str]) -> None:
+        self._launcher = launcher
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._launcher.poll(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet, so the pid is still this process's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Proc = Union[subprocess.Popen, Forked]
+
+
+class _Launcher:
+    """The one ``_zygote.py`` of this pytest process, started at its first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._startup: dict[str, str] = {}
+
+    def _ensure(self) -> subprocess.Popen:
+        """The launcher, started now if it is not running; the caller holds the lock."""
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self._startup = _startup(env)
+            self._proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py")], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, env=env)
+        return self._proc
+
+    def _ask(self, request: dict) -> dict:
+        """One request and its answer; the caller holds the lock."""
+        proc = self._ensure()
+        stdin, stdout = self._proc.stdin, self._proc.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps(request) + "\n")
+        stdin.flush()
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"the tests' process launcher (_zygote.py) ended (exit {proc.wait()}); "
+                               f"{FRESH_ENV}=1 starts every process as a fresh python instead")
+        return json.loads(line)
+
+    def poll(self, pid: int) -> int | None:
+        with self._lock:
+            return self._ask({"op": "poll", "pid": pid})["rc"]
+
+    def start(self, cmd: list[str], out: Path, env: dict[str, str]) -> Forked | None:
+        """``cmd`` forked from the launcher, or None when it must be a fresh process: not
+        ``python -m module`` or ``python script``, or setting start-up environment."""
+        argv = cmd[1:]
+        if (os.environ.get(FRESH_ENV) == "1" or cmd[0] != sys.executable or not argv
+                or argv[0].startswith("-") and (argv[0] != "-m" or len(argv) < 2)):
+            return None
+        with self._lock:
+            self._ensure()
+            if _startup(env) != self._startup:
+                return None
+            pid = self._ask({"op": "start", "argv": argv, "env": env, "cwd": os.getcwd(), "out": str(out)})["pid"]
+        return Forked(self, pid, cmd)
+
+
+def _startup(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_ENV)}
+
+
+LAUNCHER = _Launcher()
 LEARNER = [sys.executable, str(HERE / "_learner_proc.py")]
 SYNCER = [sys.executable, "-m", "rackmend.cli", "syncer", "--bind", "tcp://127.0.0.1:0"]
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str,
-             alive: tuple[subprocess.Popen, ...] = ()) -> None:
+             alive: tuple[Proc, ...] = ()) -> None:
     timeout *= TIME_SCALE
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -59,20 +160,26 @@ class Procs:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.started: list[subprocess.Popen] = []
-        self.names: dict[str, subprocess.Popen] = {}
+        self.started: list[Proc] = []
+        self.names: dict[str, Proc] = {}
         """The latest process started under each output name."""
 
-    def start(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.out", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    def start(self, cmd: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
+        """``cmd`` with its output in ``{name}.out``: forked from the launcher that has
+        imported torch already (``_zygote.py``) where it can be, else a fresh process."""
+        out = self.tmp / f"{name}.out"
+        out.touch()  # there on return, whoever starts the process
+        full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc: Proc | None = LAUNCHER.start(cmd, out, full)
+        if proc is None:
+            with open(out, "ab") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full)
         self.started.append(proc)
         self.names[name] = proc
         return proc
 
     def syncer(self, *flags: str, name: str = "syncer",
-               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+               env: dict[str, str] | None = None) -> tuple[Proc, str]:
         ready = self.tmp / f"{name}.endpoint"
         ready.unlink(missing_ok=True)
         proc = self.start([*SYNCER, "--ready-file", str(ready), "--log", str(self.tmp / "events.jsonl"), *flags],
@@ -81,7 +188,7 @@ class Procs:
         assert proc.poll() is None, (self.tmp / f"{name}.out").read_text()
         return proc, ready.read_text()
 
-    def learner(self, endpoint: str, lid: str, *flags: str, name: str | None = None) -> subprocess.Popen:
+    def learner(self, endpoint: str, lid: str, *flags: str, name: str | None = None) -> Proc:
         return self.start([*LEARNER, "--endpoint", endpoint, "--id", lid, *flags], name or lid)
 
     def output(self, name: str) -> str:

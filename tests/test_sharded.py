@@ -170,7 +170,10 @@ def test_async_fsdp_rack_and_plain_rack_train_and_hold_the_syncers_values(procs:
     first, last = map(float, (tmp_path / "loss").read_text().split())
     assert last < 0.8 * first, f"held-out loss {first:.3f} -> {last:.3f}"
     held = [f"{tmp_path}/l0.held.{r}" for r in range(2)]
-    assert_held_equal_syncer(held, load_file(str(ck / "syncer.safetensors")))
+    # Asynchronous: how many merged values reach the rack before its 30 quick steps end
+    # depends on the machine's load (on a loaded one it held version 2, then finished),
+    # so one merge applied is what is asked; the value held is checked bit for bit.
+    assert_held_equal_syncer(held, load_file(str(ck / "syncer.safetensors")), min_version=1)
 
 
 def test_hsdp_rack_equals_the_reference_beside_a_plain_rack(procs: Procs, tmp_path: Path) -> None:
