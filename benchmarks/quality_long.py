@@ -212,11 +212,19 @@ def plot(path: Path, title: str, curves: dict[str, list[tuple[float, float]]], x
 
 
 def section_arms(outdir: Path, stem: str, runs: Runs, sizes: list[str], names: list[str], seeds: list[int],
-                 rounds: int, schedule: str, corpus: ByteCorpus, evals: int) -> dict[str, Any]:
-    """The arms' table and plots (``{stem}-{size}.png``, ``{stem}-{size}-gap.png``)."""
+                 rounds: int, schedule: str, corpus: ByteCorpus, evals: int, kept_only: bool = False) -> dict[str, Any]:
+    """The arms' table and plots (``{stem}-{size}.png``, ``{stem}-{size}-gap.png``).
+    ``kept_only``: the runs already kept, none trained (the rest are listed as missing)."""
     steps = rounds * H_DEFAULT
     table = arms(H_DEFAULT)
     plan = [(size, name, seed) for size in sizes for name in names for seed in seeds]
+    if kept_only:
+        kept = [(size, name, seed) for size, name, seed in plan
+                if key(size, seed, steps * M // table[name][1], schedule, *table[name]) in runs.done]
+        missing = [f"{size} {name} seed {seed}" for size, name, seed in plan if (size, name, seed) not in kept]
+        if missing:
+            print(f"not run yet, left out (--kept-only): {'; '.join(missing)}")
+        plan = kept
     todo = sum(steps * M for size, name, seed in plan
                if key(size, seed, steps * M // table[name][1], schedule, *table[name]) not in runs.done)
     out: dict[str, Any] = {}
@@ -226,34 +234,39 @@ def section_arms(outdir: Path, stem: str, runs: Runs, sizes: list[str], names: l
             per_learner = steps * M // learners
             row = runs.get(key(size, seed, per_learner, schedule, cfg, learners),
                            trainer(cfg, learners, per_learner, seed, size, schedule, corpus, bar, evals))
-            out.setdefault(size, {}).setdefault(name, []).append(row)
+            out.setdefault(size, {}).setdefault(name, []).append({**row, "seed": seed})
     summary: dict[str, Any] = {}
     for size, by_arm in out.items():
         print(f"\n{size} model ({sum(p.numel() for p in _params(size)) / 1e6:.2f} M parameters): "
-              f"{rounds} rounds of H={H_DEFAULT}, M={M}, seeds {seeds}, {schedule} inner lr")
+              f"{rounds} rounds of H={H_DEFAULT}, M={M}, {schedule} inner lr")
         print(f"{'arm':<16} {'median':>8} {'95% interval':>18} {'vs DP':>8}  per seed")
-        dp = by_arm.get("data-parallel")
+        dp = {r["seed"]: r for r in by_arm.get("data-parallel", [])}
         rows = {}
         for name, rs in by_arm.items():
             losses = [r["loss"] for r in rs]
             lo, hi = bootstrap(losses)
-            gaps = [r["loss"] / d["loss"] - 1 for r, d in zip(rs, dp)] if dp else []
-            rows[name] = {"losses": losses, "median": statistics.median(losses), "interval": [lo, hi],
-                          "gap_dp": statistics.median(gaps) if gaps else None, "gaps_dp": gaps,
-                          "wall_s": [r["wall_s"] for r in rs], "guard_events": sum(r["guard_events"] for r in rs)}
-            if dp:
-                rows[name]["gap_curve"] = gap_curve(rs, dp)
+            paired = [(r, dp[r["seed"]]) for r in rs if r["seed"] in dp]  # the same seed's data-parallel run
+            gaps = [r["loss"] / d["loss"] - 1 for r, d in paired]
+            rows[name] = {"seeds": [r["seed"] for r in rs], "losses": losses, "median": statistics.median(losses),
+                          "interval": [lo, hi], "gap_dp": statistics.median(gaps) if gaps else None,
+                          "gaps_dp": gaps, "wall_s": [r["wall_s"] for r in rs],
+                          "guard_events": sum(r["guard_events"] for r in rs)}
+            if paired:
+                rows[name]["gap_curve"] = gap_curve(*map(list, zip(*paired)))
             vs_dp = f"{rows[name]['gap_dp']:+.1%}" if gaps else "-"
             print(f"{name:<16} {rows[name]['median']:>8.3f} {f'[{lo:.3f}, {hi:.3f}]':>18} {vs_dp:>8}  "
-                  + " ".join(f"{x:.3f}" for x in losses))
+                  + " ".join(f"{x:.3f} (seed {r['seed']})" for x, r in zip(losses, rs)))
         summary[size] = rows
         curves = {name: [(p[0] / TOKENS_PER_ROUND, statistics.median(r["points"][i][2] for r in rs))
                          for i, p in enumerate(rs[0]["points"])] for name, rs in by_arm.items()}
+        n_seeds = sorted({len(rs) for rs in by_arm.values()})
         plot(outdir / f"{stem}-{size}.png", f"{size} GPT, M={M}, H={H_DEFAULT}: held-out loss (median of "
-             f"{len(seeds)} seeds)", curves, "outer rounds (equal tokens across arms)", "held-out loss")
+             f"{'/'.join(map(str, n_seeds))} seeds)", curves, "outer rounds (equal tokens across arms)",
+             "held-out loss")
         if dp:
             plot(outdir / f"{stem}-{size}-gap.png", f"{size} GPT: loss / data-parallel's - 1 at equal tokens",
-                 {n: r["gap_curve"] for n, r in rows.items() if n != "data-parallel"}, "outer rounds", "gap")
+                 {n: r["gap_curve"] for n, r in rows.items() if n != "data-parallel" and "gap_curve" in r},
+                 "outer rounds", "gap")
     return summary
 
 
@@ -315,6 +328,8 @@ def main() -> None:
                    help="the inner schedule of the arms section (default cosine)")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (default 10)")
     p.add_argument("--fresh", action="store_true", help=f"train every run again, ignoring {RUNS.name}")
+    p.add_argument("--kept-only", action="store_true",
+                   help="arms section: train nothing, tabulate and plot the runs already kept, list the missing ones")
     args = p.parse_args()
     torch.set_num_threads(1)
     rounds = args.rounds or (12 if args.quick else 150)
@@ -338,7 +353,7 @@ def main() -> None:
         result["rounds"] = rounds
         stem = args.out.stem if args.out else "quality-long"
         out["arms"] = section_arms(outdir, stem, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus,
-                                   args.evals)
+                                   args.evals, args.kept_only)
         for size, rows in out["arms"].items():
             if rows.get("rackmend", {}).get("gap_dp") is not None:
                 result[f"gap_dp_{size}"] = rows["rackmend"]["gap_dp"]
