@@ -3,9 +3,12 @@ and the ablation that finds why rackmend's gap to data-parallel grows with the h
 
 Runbook:
 
-- ``python benchmarks/quality_long.py`` runs every arm at both sizes over three seeds
-  (hours on 2 cores; the progress bar gives the time left); ``--quick`` is a smoke run
-  of a few minutes (12 rounds, one seed, the small size).
+- ``python benchmarks/quality_long.py --jobs 2`` runs every arm at both sizes over three
+  seeds, two runs at a time (each on one torch thread; the progress bar gives the time
+  left). On 2 cores that is about 1.5 hours for the small model's 24 runs and about 9 for
+  the larger model's (about 45 minutes a run two at a time): the whole matrix does not
+  fit 3 hours there; ``--sizes``, ``--arms`` and ``--seeds`` pick the part that does.
+  ``--quick`` is a smoke run of a few minutes (12 rounds, one seed, the small size).
 - ``--section ablation`` switches each suspected cause of the gap off alone, on the
   small model (``--ablation-rounds``, default 75); ``--variants 'rackmend;rackmend, H=4'``
   runs some of them.
@@ -13,7 +16,8 @@ Runbook:
   by everything that decides its number: an interrupted run goes on where it stopped,
   and the matrix can be filled over several sessions (``--sizes``, ``--seeds``,
   ``--arms`` pick a part). ``--fresh`` ignores what is kept; with ``--out X.json`` runs
-  are kept in ``X-runs.jsonl`` unless ``--runs`` names the file.
+  are kept in ``X-runs.jsonl`` unless ``--runs`` names the file. ``--kept-only`` trains
+  nothing and tabulates what is kept (each run paired with data-parallel's of its seed).
 
 Writes ``benchmarks/results/quality-long.json`` (its RESULT: ``gap_dp_small``,
 ``gap_dp_large``: rackmend's defaults against data-parallel at equal tokens, as a
@@ -33,11 +37,13 @@ benchmark).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
 import time
-from dataclasses import MISSING, asdict, fields, is_dataclass, replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -151,26 +157,65 @@ class Runs:
                     row = json.loads(line)
                     self.done[row["key"]] = row
 
-    def get(self, k: str, train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        if k not in self.done:
-            row = {"key": k, **train()}
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            self.done[k] = row
-        return self.done[k]
+    def put(self, k: str, result: dict[str, Any]) -> None:
+        row = {"key": k, **result}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.done[k] = row
 
 
-def trainer(cfg: RackmendConfig, learners: int, steps: int, seed: int, size: str, schedule: str,
-            corpus: ByteCorpus, bar: tqdm, evals: int, batch: int = BATCH) -> Callable[[], dict[str, Any]]:
-    def train() -> dict[str, Any]:
-        s = thread_settings(learners=learners, steps=steps, seed=seed, evals=evals, model=SIZES[size],
-                            lr_schedule=schedule, warmup_steps=max(1, steps // 50), batch_size=batch)
-        t0 = time.perf_counter()
-        r = train_arm(size, cfg, s, corpus, progress=bar)
-        return {"points": r.points, "loss": r.points[-1][2], "wall_s": time.perf_counter() - t0,
-                "merges": r.merges, "guard_events": r.guard_events}
-    return train
+@dataclass(frozen=True)
+class Job:
+    """One training run: everything ``train`` needs, picklable for a worker process."""
+
+    size: str
+    seed: int
+    steps: int
+    """Steps per learner."""
+    schedule: str
+    cfg: RackmendConfig
+    learners: int
+    batch: int = BATCH
+    evals: int = 10
+
+    @property
+    def key(self) -> str:
+        return key(self.size, self.seed, self.steps, self.schedule, self.cfg, self.learners, self.batch)
+
+
+def train(job: Job, corpus: ByteCorpus | None = None, bar: tqdm | None = None) -> dict[str, Any]:
+    """Train ``job``'s run on one torch thread: its held-out curve, final loss and wall time."""
+    torch.set_num_threads(1)
+    s = thread_settings(learners=job.learners, steps=job.steps, seed=job.seed, evals=job.evals,
+                        model=SIZES[job.size], lr_schedule=job.schedule, warmup_steps=max(1, job.steps // 50),
+                        batch_size=job.batch)
+    t0 = time.perf_counter()
+    r = train_arm(job.size, job.cfg, s, corpus or ByteCorpus(), progress=bar)
+    return {"points": r.points, "loss": r.points[-1][2], "wall_s": time.perf_counter() - t0,
+            "merges": r.merges, "guard_events": r.guard_events}
+
+
+def train_missing(runs: Runs, jobs: list[Job], parallel: int, corpus: ByteCorpus) -> None:
+    """Train the jobs not kept yet, keeping each as it finishes: here, one after another,
+    or over ``parallel`` worker processes of one torch thread each (each run is the same
+    either way: a deterministic run's number depends on its seed alone)."""
+    todo = list({job.key: job for job in jobs if job.key not in runs.done}.values())
+    total = sum(job.steps * job.learners for job in todo)
+    with tqdm(total=total, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
+        if parallel <= 1:
+            for job in todo:
+                runs.put(job.key, train(job, corpus, bar))
+            return
+        # spawn: a fresh interpreter per worker, not a fork of this one's torch state
+        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            running = {pool.submit(train, job): job for job in todo}
+            for done in as_completed(running):
+                job = running[done]
+                runs.put(job.key, done.result())
+                bar.update(job.steps * job.learners)
+                bar.set_postfix(run=f"{job.size} seed {job.seed}", loss=f"{runs.done[job.key]['loss']:.3f}",
+                                refresh=False)
 
 
 def loss_at(points: list[list[float]], tokens: float) -> float:
@@ -212,7 +257,8 @@ def plot(path: Path, title: str, curves: dict[str, list[tuple[float, float]]], x
 
 
 def section_arms(outdir: Path, stem: str, runs: Runs, sizes: list[str], names: list[str], seeds: list[int],
-                 rounds: int, schedule: str, corpus: ByteCorpus, evals: int, kept_only: bool = False) -> dict[str, Any]:
+                 rounds: int, schedule: str, corpus: ByteCorpus, evals: int, kept_only: bool = False,
+                 parallel: int = 1) -> dict[str, Any]:
     """The arms' table and plots (``{stem}-{size}.png``, ``{stem}-{size}-gap.png``).
     ``kept_only``: the runs already kept, none trained (the rest are listed as missing)."""
     steps = rounds * H_DEFAULT
@@ -225,16 +271,12 @@ def section_arms(outdir: Path, stem: str, runs: Runs, sizes: list[str], names: l
         if missing:
             print(f"not run yet, left out (--kept-only): {'; '.join(missing)}")
         plan = kept
-    todo = sum(steps * M for size, name, seed in plan
-               if key(size, seed, steps * M // table[name][1], schedule, *table[name]) not in runs.done)
+    jobs = {(size, name, seed): Job(size, seed, steps * M // table[name][1], schedule, *table[name], evals=evals)
+            for size, name, seed in plan}
+    train_missing(runs, list(jobs.values()), parallel, corpus)
     out: dict[str, Any] = {}
-    with tqdm(total=todo, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
-        for size, name, seed in plan:
-            cfg, learners = table[name]
-            per_learner = steps * M // learners
-            row = runs.get(key(size, seed, per_learner, schedule, cfg, learners),
-                           trainer(cfg, learners, per_learner, seed, size, schedule, corpus, bar, evals))
-            out.setdefault(size, {}).setdefault(name, []).append({**row, "seed": seed})
+    for (size, name, seed), job in jobs.items():
+        out.setdefault(size, {}).setdefault(name, []).append({**runs.done[job.key], "seed": seed})
     summary: dict[str, Any] = {}
     for size, by_arm in out.items():
         print(f"\n{size} model ({sum(p.numel() for p in _params(size)) / 1e6:.2f} M parameters): "
@@ -276,7 +318,7 @@ def _params(size: str) -> list[torch.Tensor]:
 
 
 def section_ablation(outdir: Path, stem: str, runs: Runs, seeds: list[int], rounds: int, corpus: ByteCorpus,
-                     evals: int, only: list[str]) -> dict[str, Any]:
+                     evals: int, only: list[str], parallel: int = 1) -> dict[str, Any]:
     """The ablation's table and plot (``{stem}.png``); ``only``: these variants (and the
     data-parallel rows they are compared with), or all."""
     steps = rounds * H_DEFAULT
@@ -288,14 +330,10 @@ def section_ablation(outdir: Path, stem: str, runs: Runs, seeds: list[int], roun
     # Equal tokens: fewer learners or larger batches take fewer steps each.
     plan = {name: (sched, cfg, learners, batch, steps * M * BATCH // (learners * batch))
             for name, (sched, cfg, learners, batch) in variants.items()}
-    todo = sum(per_learner * learners for sched, cfg, learners, batch, per_learner in plan.values() for seed in seeds
-               if key("small", seed, per_learner, sched, cfg, learners, batch) not in runs.done)
-    rows: dict[str, Any] = {}
-    with tqdm(total=todo, unit="step", desc="learner steps still to train", smoothing=0.02, mininterval=5) as bar:
-        for name, (sched, cfg, learners, batch, per_learner) in plan.items():
-            rows[name] = [runs.get(key("small", seed, per_learner, sched, cfg, learners, batch),
-                                   trainer(cfg, learners, per_learner, seed, "small", sched, corpus, bar, evals, batch))
-                          for seed in seeds]
+    jobs = {name: [Job("small", seed, per_learner, sched, cfg, learners, batch, evals) for seed in seeds]
+            for name, (sched, cfg, learners, batch, per_learner) in plan.items()}
+    train_missing(runs, [job for js in jobs.values() for job in js], parallel, corpus)
+    rows = {name: [runs.done[job.key] for job in js] for name, js in jobs.items()}
     print(f"\nablation, small model, {rounds} rounds at H={H_DEFAULT} (equal tokens), seeds {seeds}")
     print(f"{'variant':<46} {'loss':>7} {'vs DP':>8}   gap at 1/4, 1/2, 3/4, all of the run")
     out: dict[str, Any] = {}
@@ -328,6 +366,9 @@ def main() -> None:
                    help="the inner schedule of the arms section (default cosine)")
     p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (default 10)")
     p.add_argument("--fresh", action="store_true", help=f"train every run again, ignoring {RUNS.name}")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process on one torch thread (default 1; 2 uses both "
+                        "cores of a 2-core machine)")
     p.add_argument("--kept-only", action="store_true",
                    help="arms section: train nothing, tabulate and plot the runs already kept, list the missing ones")
     args = p.parse_args()
@@ -339,6 +380,8 @@ def main() -> None:
     unknown = [s for s in sizes if s not in SIZES] + [a for a in names if a not in arms(H_DEFAULT)]
     if unknown:
         p.error(f"unknown sizes or arms {unknown}: sizes are {', '.join(SIZES)}, arms {', '.join(arms(H_DEFAULT))}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1 (runs trained at once), got {args.jobs}")
     only = [v.strip() for v in args.variants.split(";") if v.strip()]
     if [v for v in only if v not in ablations()]:
         p.error(f"unknown variants {[v for v in only if v not in ablations()]}: they are {'; '.join(ablations())}")
@@ -353,14 +396,14 @@ def main() -> None:
         result["rounds"] = rounds
         stem = args.out.stem if args.out else "quality-long"
         out["arms"] = section_arms(outdir, stem, runs, sizes, names, seeds, rounds, args.lr_schedule, corpus,
-                                   args.evals, args.kept_only)
+                                   args.evals, args.kept_only, args.jobs)
         for size, rows in out["arms"].items():
             if rows.get("rackmend", {}).get("gap_dp") is not None:
                 result[f"gap_dp_{size}"] = rows["rackmend"]["gap_dp"]
     if args.section in ("all", "ablation"):
         ab_rounds = args.ablation_rounds or (12 if args.quick else 75)
         out["ablation"] = section_ablation(outdir, args.out.stem if args.out else "quality-long-ablation", runs, seeds,
-                                           ab_rounds, corpus, args.evals, only)
+                                           ab_rounds, corpus, args.evals, only, args.jobs)
         result["ablation_rounds"] = ab_rounds
     finish("quality-long" if args.section != "ablation" else "quality-long-ablation", args.out, out, result)
 
