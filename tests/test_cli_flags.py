@@ -22,6 +22,8 @@ RENAMED = [
     ("demo", "--slow", "--slow-learner"),
     ("simulate", "--jitter", "--step-jitter"),
     ("link", "--jitter", "--latency-jitter"),
+    ("demo", "--learners", "--racks"),  # syncer --learners is the roster of ids, not a count
+    ("simulate", "--learners", "--racks"),
 ]
 
 
@@ -65,7 +67,7 @@ def test_bandwidth_means_the_same_rate_in_demo_and_simulate() -> None:
     assert demo.settings_from_args(p.parse_args([])).link.bandwidth_mbit == pytest.approx(50)
     s = argparse.ArgumentParser()
     sim_cli.add_arguments(s)
-    racks = sim_cli.config_from_args(s.parse_args(["--bandwidth", "20Mbit", "--learners", "2"])).racks
+    racks = sim_cli.config_from_args(s.parse_args(["--bandwidth", "20Mbit", "--racks", "2"])).racks
     assert [r.uplink_bandwidth for r in racks] == [pytest.approx(2.5e6)] * 2  # bytes/s
     assert sim_cli.config_from_args(s.parse_args([])).racks[0].uplink_bandwidth is None
 

@@ -163,14 +163,14 @@ def test_rack_spec_and_fault_validation() -> None:
 
 
 def test_cli_prints_json_report_and_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli_main(["simulate", "--learners", "3", "--step-time", "1,1,2", "-H", "8", "-P", "2", "--tau", "1",
+    rc = cli_main(["simulate", "--racks", "3", "--step-time", "1,1,2", "-H", "8", "-P", "2", "--tau", "1",
                    "--kill", "0:20", "--duration", "60", "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert [lr["learner"] for lr in report["learners"]] == ["L0", "L1", "L2"]
     assert report["learners"][0]["down_s"] == pytest.approx(40.0)
     assert report["learners"][2]["steps"] < report["learners"][1]["steps"]
-    assert cli_main(["simulate", "--learners", "3", "--step-time", "1,2", "--duration", "10"]) == 2
+    assert cli_main(["simulate", "--racks", "3", "--step-time", "1,2", "--duration", "10"]) == 2
     assert "--step-time lists 2 values for 3 learners" in capsys.readouterr().err
     assert cli_main(["simulate", "--duration", "30", "-H", "8", "-P", "2"]) == 0
     table = capsys.readouterr().out

@@ -216,7 +216,7 @@ def test_decoupled_beats_data_parallel_at_the_same_failures() -> None:
 
 
 def test_cli_options_come_from_the_config_dataclasses(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["simulate", "--learners", "2", "-H", "8", "--num-fragments", "2", "--overlap", "1",
+    assert cli_main(["simulate", "--racks", "2", "-H", "8", "--num-fragments", "2", "--overlap", "1",
                      "--chips", "64", "--mtbi-hours", "0.01", "--failure-mode", "restart", "--restart-time", "5",
                      "--duration", "60", "--no-failslow"]) == 0
     out = capsys.readouterr().out

@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d, f, link = RunSettings(), FaultPlan(), LinkPlan()
     g = p.add_argument_group("run")
-    g.add_argument("--learners", type=int, default=d.learners, help="learner processes M (default %(default)s)")
+    g.add_argument("--racks", dest="learners", type=int, default=d.learners,
+                   help="how many racks to run, one learner process each: M (default %(default)s)")
     g.add_argument("--duration", type=float, default=d.duration_s,
                    help="seconds each arm trains, after every learner joined (default %(default)s)")
     g.add_argument("--steps", type=int, default=None, help="also stop each learner after this many steps")
@@ -92,7 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="learner with the worse link")
     refuse_renamed(p, {"--jitter": "--latency-jitter (`rackmend simulate` spreads step times with --step-jitter)",
                        "--kill": "--kill-learner (`rackmend simulate --kill` takes I:AT[:REJOIN] in seconds)",
-                       "--slow": "--slow-learner (`rackmend simulate --slow` takes I:FACTOR[:START[:END]])"})
+                       "--slow": "--slow-learner (`rackmend simulate --slow` takes I:FACTOR[:START[:END]])",
+                       "--learners": "--racks (how many racks to run; `rackmend syncer --learners` is "
+                                    "the list of learner ids allowed to join)"})
     g.add_argument("--worse-link-factor", type=float, default=f.worse_link_factor,
                    help="bandwidth / F and latency x F on that link (default %(default)s)")
 

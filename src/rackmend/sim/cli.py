@@ -88,8 +88,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     racks = len(SimConfig().racks)
-    p.add_argument("--learners", type=int, default=racks,
-                   help=f"number of learners (racks), named L0.. (default {racks})")
+    p.add_argument("--racks", dest="learners", type=int, default=racks,
+                   help=f"how many racks (learners) to simulate, named L0.. (default {racks})")
+    refuse_renamed(p, {"--learners": "--racks (how many racks to simulate; `rackmend syncer --learners` "
+                                   "is the list of learner ids allowed to join)"})
     p.add_argument("--step-time", type=_floats, default=[1.0], metavar="S[,S...]",
                    help="seconds per inner step: one value for all, or one per learner (default 1)")
     p.add_argument("--step-jitter", type=float, default=RackSpec().jitter,
@@ -139,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The ``SimConfig`` the flags describe (ConfigError names a bad flag value)."""
     n = args.learners
     if n < 1:
-        raise ConfigError(f"--learners must be >= 1, got {n}")
+        raise ConfigError(f"--racks must be >= 1, got {n}")
     steps = _per_learner(args.step_time, n, "--step-time")
     latency = _per_learner(args.latency, n, "--latency")
     bytes_per_s = None if args.bandwidth is None else args.bandwidth / 8

@@ -196,7 +196,7 @@ class SimConfig:
     """The run's rules, shared by the syncer core and every learner core (H, P, tau,
     quorum, grace, outer optimizer, apply rule, codecs, deterministic mode)."""
     racks: tuple[RackSpec, ...] = (RackSpec(),) * 4
-    """One entry per learner, learner i is named ``L{i}`` (``rackmend simulate --learners``
+    """One entry per learner, learner i is named ``L{i}`` (``rackmend simulate --racks``
     takes its default count from here)."""
     duration: float = 600.0
     """Virtual seconds simulated; events after it are not run."""
