@@ -104,7 +104,7 @@ class _Launcher:
     def _ask(self, request: dict) -> dict:
         """One request and its answer; the caller holds the lock."""
         proc = self._ensure()
-        stdin, stdout = self._proc.stdin, self._proc.stdout
+        stdin, stdout = proc.stdin, proc.stdout
         assert stdin is not None and stdout is not None
         stdin.write(json.dumps(request) + "\n")
         stdin.flush()
