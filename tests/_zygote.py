@@ -49,9 +49,9 @@ def serve() -> dict[str, Any] | None:
         else:
             try:
                 done, status = os.waitpid(req["pid"], os.WNOHANG)
-            except ChildProcessError:  # reaped by an earlier poll
-                done, status = req["pid"], 0
-            answer = {"rc": os.waitstatus_to_exitcode(status) if done else None}
+                answer = {"rc": os.waitstatus_to_exitcode(status) if done else None}
+            except ChildProcessError:  # not a child, or reaped already: its status is not known here
+                answer = {"error": f"pid {req['pid']} is not a child of the launcher waiting to be reaped"}
         reply.write(json.dumps(answer) + "\n")
         reply.flush()
     return None

@@ -116,7 +116,10 @@ class _Launcher:
 
     def poll(self, pid: int) -> int | None:
         with self._lock:
-            return self._ask({"op": "poll", "pid": pid})["rc"]
+            answer = self._ask({"op": "poll", "pid": pid})
+        if "error" in answer:
+            raise RuntimeError(f"the tests' process launcher: {answer['error']}")
+        return answer["rc"]
 
     def start(self, cmd: list[str], out: Path, env: dict[str, str]) -> Forked | None:
         """``cmd`` forked from the launcher, or None when it must be a fresh process: not
